@@ -1,17 +1,27 @@
-"""A trainer for ``sidecar launch --stall-timeout``: it trains, then hangs.
+"""A trainer for ``sidecar launch --stall-timeout``: it trains, then hangs (or worse).
 
 Run as ``sidecar launch --hosts 1 --import tests.support.feed_fns --stall-timeout S -- python
--m tests.support.stall_train DIR HOW HANGS``. It takes one batch of the ``ids`` feed per step
-(each step sleeps STEP_S), saves every SAVE_EVERY steps into DIR (the goodput ledger's
-directory), and after step HANG_AT, while ``SIDECAR_RESTART`` is below HANGS, hangs for good:
-HOW ``sleep`` in ``time.sleep`` (in :func:`hang_in_sleep`), ``recv`` in a socket read that
-never returns (in :func:`hang_in_recv`), both C calls. A second thread waits meanwhile (in
-:func:`side_thread`): the stacks printed must show every thread. It prints ``RESULT {json}``
-lines: each step and the end.
+-m tests.support.stall_train DIR HOW HANGS [S]``. It takes one batch of the ``ids`` feed per
+step (each step sleeps STEP_S), saves every SAVE_EVERY steps into DIR (the goodput ledger's
+directory), and after step HANG_AT, while ``SIDECAR_RESTART`` is below HANGS, does HOW:
+
+- ``sleep``: hangs for good in ``time.sleep`` (in :func:`hang_in_sleep`); ``recv``: in a
+  socket read that never returns (in :func:`hang_in_recv`), both C calls;
+- ``wakes``: hangs until the launcher's stacks signal comes, writes its stacks itself, and
+  steps on at once (a trainer that stepped while its stacks were written);
+- ``slow``: every life's first step takes 3x S (its "compile", after its first batch was
+  taken), step 3 is a long phase (``ctl.phase``, 2x S, budget 4x S), and after HANG_AT the
+  trainer is SIGKILLed (a crash; issue 69's compile taken for a hang);
+- ``raise``: step HANG_AT raises the same error in every life (a deterministic bug).
+
+A second thread waits meanwhile (in :func:`side_thread`): the stacks printed must show every
+thread. It prints ``RESULT {json}`` lines: each step and the end.
 """
 
+import faulthandler
 import json
 import os
+import signal
 import socket
 import sys
 import threading
@@ -29,11 +39,25 @@ def hang_in_recv() -> None:
   a.recv(1)  # b never writes
 
 
+def hang_until_signalled() -> None:
+  """Until the stacks signal: its stacks written (as faulthandler would), then on."""
+  woken = threading.Event()
+  sig = signal.Signals[os.environ.get("SIDECAR_STACKS_SIGNAL", "SIGUSR2")]
+  faulthandler.unregister(sig)  # the Worker's: this trainer writes them itself
+
+  def on_signal(signum, frame):
+    faulthandler.dump_traceback(all_threads=True)
+    woken.set()
+  signal.signal(sig, on_signal)
+  while not woken.wait(0.01):
+    pass
+
+
 def side_thread(stop: threading.Event) -> None:
   stop.wait()
 
 
-def main(directory: str, how: str, hangs: str) -> int:
+def main(directory: str, how: str, hangs: str, stall_s: str = "8") -> int:
   import jax
   import numpy as np
 
@@ -60,12 +84,22 @@ def main(directory: str, how: str, hangs: str) -> int:
         for step in range(first + 1, STEPS + 1):
           next(feed)
           time.sleep(STEP_S)
+          if how == "slow" and step == first + 1:
+            time.sleep(3 * float(stall_s))  # its first step's compile, after batch 1
+          if how == "slow" and step == 3:
+            with ctl.phase("eval", budget_s=4 * float(stall_s)):
+              time.sleep(2 * float(stall_s))
+          if how == "raise" and step == HANG_AT:
+            raise RuntimeError(f"a bug in step {step}")
           if step % SAVE_EVERY == 0:
             ckpt.save(step, {"step": np.int32(step)}).durable.result()
           emit("step", step=step)
           if step == HANG_AT and restart < int(hangs):
             emit("hanging", step=step)
-            {"sleep": hang_in_sleep, "recv": hang_in_recv}[how]()
+            if how == "slow":
+              os.kill(os.getpid(), signal.SIGKILL)
+            {"sleep": hang_in_sleep, "recv": hang_in_recv,
+             "wakes": hang_until_signalled}[how]()
       ckpt.close()
   finally:
     stop.set()

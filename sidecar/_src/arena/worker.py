@@ -24,13 +24,13 @@ import queue
 import select
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from sidecar._src.arena import shm
-from sidecar._src.core import env as env_lib, errors, progress, stacks
+from sidecar._src.core import env as env_lib, errors, progress, stacks, stall
 from sidecar._src.wire import codec, ipc, protocol
 
 ENV_ADDRESS = env_lib.ADDRESS
@@ -439,6 +439,11 @@ class Worker:
     if reply:
       self._request(dict(message, reply=True))
       return True
+    return self._send_frame(message, wait=wait)
+
+  def _send_frame(self, message: dict[str, Any], *, wait: bool) -> bool:
+    """Sends ``message``, which has no answer, if the socket is free now (``wait``: within
+    a second); returns whether it went."""
     if not self._lock.acquire(blocking=wait, timeout=1.0 if wait else -1):
       return False
     try:
@@ -454,6 +459,39 @@ class Worker:
       return False  # gone: its end of the session writes the death
     finally:
       self._lock.release()
+
+  # ---- the stall rule ----------------------------------------------------
+
+  def tell(self, phase: stall.Phase) -> bool:
+    """Tells the sidecar's stall rule that ``phase`` begins or ends (``core/stall.py``);
+    returns whether it went. The Controller ends :data:`stall.STARTUP` at the first
+    completed step; :meth:`phase` announces a long one."""
+    return self._send_frame(phase.to_dict(), wait=True)
+
+  @contextlib.contextmanager
+  def phase(self, name: str, *, budget_s: float) -> Iterator[None]:
+    """A long phase without steps (an evaluation, a large restore): while it lasts, the
+    sidecar's stall rule waits up to ``budget_s`` seconds for a step before this trainer
+    counts as stalled (``sidecar launch --stall-timeout``, docs/elastic.md).
+
+    Example::
+
+      with worker.phase("eval", budget_s=900):
+        evaluate(state)
+
+    Raises:
+      InvalidArgumentError: ``name`` not 1..64 printable characters, or ``budget_s`` not
+        seconds in (0, 86400].
+    """
+    try:
+      begins = stall.Phase(name, budget_s)
+    except ValueError as e:
+      raise errors.InvalidArgumentError(str(e)) from None
+    self.tell(begins)
+    try:
+      yield
+    finally:
+      self.tell(stall.Phase(name))
 
   # ---- streams -----------------------------------------------------------
 

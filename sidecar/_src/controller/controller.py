@@ -11,6 +11,7 @@ no framework; ``sidecar.jax.Controller`` is the JAX one (``jax/controller.py``).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import enum
 import functools
 import logging
@@ -28,6 +29,7 @@ from sidecar._src.controller import (
   feed as feed_lib,
   goodput as goodput_lib,
   health,
+  startup,
 )
 from sidecar._src.controller.calls import Calls
 from sidecar._src.controller.checkpoint import ram_drop
@@ -47,6 +49,7 @@ from sidecar._src.core import (
   errors,
   interrupts,
   options as options_lib,
+  stall,
 )
 from sidecar._src.streams.consumer import Stream
 from sidecar._src.wire import protocol
@@ -146,6 +149,30 @@ class Controller:
       self.close()
       raise
     self._goodput = self._goodput_ledger()
+    # Its first completed step, told to its sidecars' stall rule (controller/startup.py).
+    self._startup = startup.Startup(self._mapped_workers, then=(
+        None if self._goodput is None else self._goodput.batch))
+
+  def _mapped_workers(self) -> list[worker_lib.Worker]:
+    return [w for h, w in self._sidecars.workers.items() if h not in self._sidecars.lost]
+
+  def phase(self, name: str, /, *, budget_s: float) -> contextlib.AbstractContextManager[None]:
+    """A long phase without steps (an evaluation, a large restore): while it lasts, the
+    stall rule of the sidecars this process maps waits up to ``budget_s`` seconds for a
+    step before it counts this trainer as stalled (``sidecar launch --stall-timeout``;
+    docs/elastic.md). Its start and end count as steps; its length never counts as the
+    slowest step.
+
+    Example::
+
+      with ctl.phase("eval", budget_s=900):
+        metrics = evaluate(state)
+
+    Raises:
+      InvalidArgumentError: ``name`` not 1..64 printable characters, or ``budget_s`` not
+        seconds in (0, 86400].
+    """
+    return startup.phase(self._mapped_workers, name, budget_s)
 
   def _goodput_ledger(self) -> goodput_lib.LedgerClient | None:
     """The job's goodput ledger client (controller/goodput.py): process 0's, sending to the
@@ -399,7 +426,7 @@ class Controller:
         session=lambda host_id: getattr(self._sidecars.workers.get(host_id), "session", ""),
         arena_use=lambda: {s.identity.host_id: s.arena_used / max(s.arena_size, 1)
                            for s in self.status()},
-        on_batch=None if self._goodput is None else self._goodput.batch)
+        on_batch=self._startup.batch)
     self._children.add(feed)
     return feed
 
@@ -571,6 +598,8 @@ class Controller:
     logged."""
     if self.state is State.CLOSED:
       return
+    # Its steps are over: what follows (the saves waited for, its exit) is no stall.
+    startup.tell(self._mapped_workers(), stall.Phase(stall.CLOSE, stall.MAX_BUDGET_S))
     if self._watch is not None:
       self._watch.stop()
     self.cancel()

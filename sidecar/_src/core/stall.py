@@ -2,21 +2,41 @@
 
 One rule for every place that watches (the sidecar's ``server/goodput/steps.py``, which applies it
 to each worker session; ``sidecar launch --stall-timeout`` and ``sidecar serve
---stall-timeout``, which set its floor; docs/elastic.md): a trainer that made its first
-step is **stalled** once it has made no step for :func:`timeout` seconds, the larger of
-the floor and :data:`MULTIPLE` times the slowest step seen since its first. A slow step
-seen once (a save, an evaluation, a recompile) so never trips it later, and the first
-step (the compile) is never watched. A floor of 0 turns it off.
+--stall-timeout``, which set its floor; docs/elastic.md): a trainer's clock starts at its
+**first completed step**, which its Controller tells its sidecar (:data:`STARTUP` ends:
+the trainer's thread took its feed's second batch, or its second ``save()`` returned), so
+its start (imports, a restore, the first ``jit`` compile, a first save) is never watched:
+a feed's first batch is taken *before* the compile. From then on it is **stalled** once it
+has made no step for :func:`timeout` seconds, the larger of the floor and :data:`MULTIPLE`
+times the slowest step seen since. A slow step seen once (a save, a recompile) so never
+trips it later. A floor of 0 turns it off.
+
+A trainer may announce a long phase (an evaluation, a large restore: :class:`Phase`, sent by
+``Worker.phase``): while it lasts, the trainer is stalled only after no step for the larger
+of its timeout and the phase's budget (at most :data:`MAX_BUDGET_S`), counted from the
+phase's start; its start and its end count as steps, and its length never enters the
+slowest step. A trainer whose Controller closes is in :data:`CLOSE` (the saves it waits
+for, its exit) until its session ends.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from typing import Any
+
 DEFAULT_FLOOR_S = 120.0  # sidecar launch's and sidecar serve's --stall-timeout
 MULTIPLE = 10.0  # a stall lasts at least this many times the slowest step seen
 EXIT_CODE = 124  # sidecar launch's exit code for a stall it may not restart (as timeout(1))
+MAX_BUDGET_S = 24 * 3600.0  # the longest budget a phase may ask for
+MAX_NAME = 64  # characters of a phase's name
+STARTUP = "startup"  # the phase every trainer begins in: until its first completed step
+CLOSE = "close"  # the phase a trainer ends in: its Controller closes (its saves waited for)
+OP = "phase"  # the worker socket's frame (``server/workers/workers.py``)
 
 RULE = (f"no step (a feed's batches taken, a save) for the larger of SECONDS and "
-        f"{MULTIPLE:g}x the slowest step seen, after its first step")
+        f"{MULTIPLE:g}x the slowest step seen, counted from its first completed step "
+        f"(a long phase it announces: its own budget)")
 
 
 def timeout(floor_s: float, slowest_s: float) -> float:
@@ -34,3 +54,44 @@ def check_floor(value: float) -> float:
       0 <= value < float("inf")):
     raise ValueError(f"the stall timeout must be seconds >= 0 (0: off), got {value!r}")
   return float(value)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Phase:
+  """A trainer's word to its sidecar's stall rule: phase ``name`` begins, and may take
+  ``budget_s`` seconds without a step; or it ends (``budget_s`` None). :data:`STARTUP`
+  only ends (the trainer's first step completed).
+
+  Raises:
+    ValueError: a name that is not 1..MAX_NAME printable characters, a budget that is not
+      seconds in (0, MAX_BUDGET_S], or a start of STARTUP.
+  """
+  name: str
+  budget_s: float | None = None  # None: the phase ends
+
+  def __post_init__(self):
+    if not isinstance(self.name, str) or not 0 < len(self.name) <= MAX_NAME or (
+        not self.name.isprintable()):
+      raise ValueError(f"a phase's name must be 1 to {MAX_NAME} printable characters, "
+                       f"got {self.name!r:.80}")
+    b = self.budget_s
+    if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float))
+                          or not 0 < b <= MAX_BUDGET_S or math.isnan(b)):
+      raise ValueError(f"phase {self.name!r}'s budget must be seconds in (0, "
+                       f"{MAX_BUDGET_S:g}], got {b!r:.40}; a longer phase is a hang to "
+                       "the watchdog, or give sidecar launch a larger --stall-timeout")
+    if b is not None and self.name == STARTUP:
+      raise ValueError(f"{STARTUP!r} is the phase every trainer begins in; name yours "
+                       "otherwise")
+
+  @property
+  def ends(self) -> bool:
+    return self.budget_s is None
+
+  def to_dict(self) -> dict[str, Any]:
+    return {"op": OP, "name": self.name, "budget_s": self.budget_s}
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any]) -> Phase:
+    """The frame ``d``, checked (ValueError as the constructor's)."""
+    return cls(d.get("name"), d.get("budget_s"))  # type: ignore[arg-type]

@@ -278,7 +278,7 @@ class Service:
     worker = first.start.worker_session
     steps = self._workers.steps
     reader = threading.Thread(target=_read_credits, daemon=True, name="sidecar-credits",
-                              args=(requests, credits, lambda: steps.step(worker)))
+                              args=(requests, credits, lambda n: steps.step(worker, taken=n)))
     reader.start()
     # gRPC ends the requests only once the RPC is over, after this handler returned (a
     # consumer half-closes when it saw the end): the RPC's end joins the reader.
@@ -392,15 +392,15 @@ def _certificate_names(context: grpc.ServicerContext) -> list[str]:
 
 
 def _read_credits(requests: Iterator[bytes], credits: Credits,
-                  on_taken: Callable[[], None] = lambda: None) -> None:
+                  on_taken: Callable[[int], None] = lambda n: None) -> None:
   """Grants what a stream's consumer credits, until it half-closes or goes away;
-  ``on_taken``: its trainer took items (the step signal, ``server/goodput/steps.py``)."""
+  ``on_taken(n)``: its trainer took n items (the step signal, ``server/goodput/steps.py``)."""
   try:
     for raw in requests:
       message = codec.parse(pb.StreamRequest, raw)
       credits.grant(message.credit, message.wait_s)
       if message.credit:
-        on_taken()
+        on_taken(message.credit)
   except Exception:
     credits.close()  # The consumer went away (or sent garbage).
   else:

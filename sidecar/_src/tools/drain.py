@@ -7,8 +7,12 @@ stopped (a signal to the launcher, every trainer ended, a failure with no restar
 ``sidecar launch`` asks each live sidecar which steps it is still writing or committing
 (:func:`poll`, the Status RPC) and waits for them (:func:`wait`), for at most a grace it
 prints; a signal during the wait (a Ctrl-C) ends it at once. Whatever is not written by
-then is named as abandoned, and so is a step written but never committed (its trainers
-went before they committed it).
+then is named once the sidecars have stopped (:func:`settle`): a sidecar given its stop's
+grace may still commit it, so the launcher looks in the checkpoint directory and says
+what became of it (committed, or abandoned and not committed); a step written but never
+committed (its trainers went before they committed it) is named as abandoned. A job that
+ended with a failure or a signal is told how to resume: "re-run the same command to
+resume from step N", N the newest step committed in its directory (:func:`resume_from`).
 
 :func:`poll` is the one place that reads what a sidecar holds: the steps it took over and
 has not yet seen committed or abandoned (``CheckpointStatus.committing``) are waited for
@@ -18,8 +22,10 @@ as :data:`WRITING`.
 from __future__ import annotations
 
 import dataclasses
+import os
+import pathlib
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 from sidecar._src.core import errors
 
@@ -42,6 +48,24 @@ class Step:
 Poll = Callable[[int, str, float], "dict[Step, str]"]
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Drained:
+  """How a wait ended: the steps ``abandoned`` (said), those still being written when it
+  ended (``pending``, because of ``why``: :func:`settle` says what became of them once
+  the sidecars stopped), and the checkpoint directories the sidecars hold steps of."""
+  abandoned: tuple[Step, ...] = ()
+  pending: tuple[Step, ...] = ()
+  why: str = ""
+  directories: frozenset[str] = frozenset()
+
+
+def on_disk(step: Step) -> bool:
+  """Whether ``step`` is committed in its directory (as a restore would find it)."""
+  # The formats load numpy: here, when a launch ends, not when `sidecar --help` starts.
+  from sidecar._src.ckptfmt import registry as formats_lib
+  return formats_lib.is_checkpoint(pathlib.Path(step.directory) / str(step.step))
+
+
 def poll(host: int, address: str, timeout: float, *, token: str | None = None
          ) -> dict[Step, str]:
   """The steps host ``host``'s sidecar at ``address`` holds that a stop concerns, each
@@ -61,15 +85,17 @@ def poll(host: int, address: str, timeout: float, *, token: str | None = None
 
 
 def wait(sidecars: Mapping[int, str], *, grace: float, say: Callable[[str], None],
-         interrupted: Callable[[], str | None], poll: Poll) -> list[Step]:
+         interrupted: Callable[[], str | None], poll: Poll) -> Drained:
   """Waits up to ``grace`` seconds for the steps ``sidecars`` (``{host: address}``, the live
-  ones) are writing; returns the steps abandoned: not written by then, on a sidecar that
-  stopped answering, or not committed. ``interrupted`` names a signal that came (the wait
-  then ends at once), else None. Says what it waits for and how the steps ended."""
+  ones) are writing; returns the steps abandoned (on a sidecar that stopped answering, or
+  not committed) and those still being written when the time ran out or a signal came
+  (``interrupted`` names one, else None; the wait then ends at once). Says what it waits
+  for and how the steps ended."""
   t0 = time.monotonic()
   deadline = t0 + grace
   live = dict(sidecars)
   states = _poll_all(live, poll, deadline, say)
+  directories = frozenset(s.directory for s in states)
   waited = sorted(s for s, state in states.items() if state == WRITING)
   why = None
   if waited:
@@ -89,7 +115,44 @@ def wait(sidecars: Mapping[int, str], *, grace: float, say: Callable[[str], None
       break
     time.sleep(POLL_S)
     states = _poll_all(live, poll, deadline, say)
-  return _outcome(waited, states, live, why, time.monotonic() - t0, say)
+  still, abandoned = _outcome(waited, states, live, why, time.monotonic() - t0, say)
+  return Drained(tuple(abandoned), tuple(still), why or "", directories)
+
+
+def settle(drained: Drained, say: Callable[[str], None],
+           committed: Callable[[Step], bool] = on_disk) -> list[Step]:
+  """Once the sidecars stopped: says what became of the steps still being written when
+  the wait ended, as their directory shows (``committed``); returns those abandoned."""
+  done = [s for s in drained.pending if committed(s)]
+  lost = [s for s in drained.pending if s not in done]
+  if done:
+    say(f"{drained.why}: {_steps(done)} committed as the sidecars stopped")
+  if lost:
+    say(f"{drained.why}: abandoned {_steps(lost)} (not committed)")
+  return sorted({*drained.abandoned, *lost})
+
+
+def after_stop(drained: Drained, code: int, say: Callable[[str], None]) -> None:
+  """Once the sidecars of a job that ended with ``code`` stopped: what became of the
+  steps they were still writing (:func:`settle`), and, where it did not end well, the
+  step a re-run of the same command resumes from (:func:`resume_from`)."""
+  settle(drained, say)
+  if code and (step := resume_from(drained.directories)) is not None:
+    say(f"re-run the same command to resume from step {step}")
+
+
+def resume_from(directories: Collection[str]) -> int | None:
+  """The newest step committed in any of ``directories`` (None: none)."""
+  from sidecar._src.ckptfmt import registry as formats_lib  # numpy, as on_disk()
+  steps = []
+  for directory in directories:
+    try:
+      names = os.listdir(directory)
+    except OSError:
+      continue
+    steps += [int(n) for n in names if n.isdigit()
+              and formats_lib.is_checkpoint(pathlib.Path(directory) / n)]
+  return max(steps, default=None)
 
 
 def _poll_all(live: dict[int, str], poll: Poll, deadline: float, say: Callable[[str], None]
@@ -106,11 +169,13 @@ def _poll_all(live: dict[int, str], poll: Poll, deadline: float, say: Callable[[
 
 
 def _outcome(waited: list[Step], states: dict[Step, str], live: Mapping[int, str],
-             why: str | None, seconds: float, say: Callable[[str], None]) -> list[Step]:
-  """Says how the steps ended; returns those abandoned."""
+             why: str | None, seconds: float, say: Callable[[str], None]
+             ) -> tuple[list[Step], list[Step]]:
+  """Says how the steps ended; returns those still being written, and those abandoned."""
   still = [s for s in waited if states.get(s) == WRITING]
   if still:
-    say(f"{why}: abandoned {_steps(still)} (not committed)")
+    say(f"{why}: {_steps(still)} still being written; the sidecars stop now, then what "
+        f"became of {'them' if len(still) > 1 else 'it'} is said")
   committed = [s for s in waited if states.get(s) == COMMITTED]
   if committed:
     say(f"{_steps(committed)} written and committed {seconds:.1f} s after the trainers stopped")
@@ -124,7 +189,7 @@ def _outcome(waited: list[Step], states: dict[Step, str], live: Mapping[int, str
   if failed:
     say(f"abandoned {_steps(failed)}: not committed (no trainer is left to commit it, or "
         "its write failed: the sidecar's log says which)")
-  return sorted({*still, *lost, *failed})
+  return still, sorted({*lost, *failed})
 
 
 def _steps(steps: list[Step]) -> str:

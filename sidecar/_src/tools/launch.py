@@ -97,22 +97,12 @@ SIDECAR_NUM_PROCESSES=N*P, and their lines are prefixed "[host i rank r] ". Each
 session may hold about 1/P of its sidecar's arena (the sidecars get --session-quota 0.96/P,
 0.12 for 8, unless SIDECAR_SESSION_QUOTA is set): one rank cannot take what the others need.
 
-With --torch, each trainer also gets torchrun's environment, by its names: RANK,
-LOCAL_RANK (0..P-1), WORLD_SIZE (N*P), LOCAL_WORLD_SIZE (P), GROUP_RANK (the host's place
-in the job), GROUP_WORLD_SIZE, ROLE_RANK, ROLE_WORLD_SIZE, ROLE_NAME=default,
-MASTER_ADDR=127.0.0.1, MASTER_PORT=<the job's c10d store>, TORCHELASTIC_RESTART_COUNT
-(SIDECAR_RESTART), TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID=none,
-TORCHELASTIC_USE_AGENT_STORE=True (the launcher serves the store, as torchrun's agent, on
-127.0.0.1 only: a rank's TCPStore would listen on every interface; a fresh one each start),
-and OMP_NUM_THREADS=1 unless set, when N*P > 1 (torchrun sets it for a node's ranks; here
-every rank shares this machine's cores). torch.distributed.init_process_group()
-(env://) and sidecar.torch.connect() then need no arguments.
-
+{torchrun.LAUNCH_HELP}
 Exit code: 0 if every trainer exits 0; otherwise the first failure's: a trainer's non-zero
 exit code (128+N if signal N killed it), a dead sidecar's code by the same rule (1 if it
 exited 0), 130 for SIGINT (Ctrl-C) and 143 for SIGTERM to the launcher, whether or not the
 steps it then waited for were written; 1 if the sidecars do not start, 127 if CMD is not
-found, 126 if it cannot be run.
+found (or is `python SCRIPT` with no such SCRIPT: nothing starts), 126 if it cannot be run.
 
 Each sidecar's output goes to --log-dir's DIR/RUN/host<i>.log (named in the first lines,
 kept after the job); its WARNING, ERROR and CRITICAL lines (and a traceback after one) show
@@ -227,6 +217,7 @@ class _Run:
     self.store: c10d_store.LoopbackStore | None = None  # with torch: this start's store
     self.threads: list[threading.Thread] = []
     self.hurried = False  # a second signal came while the sidecars finished their saves
+    self.drained = drain.Drained()  # what the sidecars were writing when the job ended
 
   def say(self, text: str) -> None:
     self.print_line(f"sidecar launch: {text}")
@@ -240,6 +231,8 @@ class _Run:
         pass  # our stderr is gone: the job goes on, its logs are in their files
 
   def start_trainers(self) -> None:
+    if self.restart:  # the step its trainers resume from: the restart rule's (watchdog.py)
+      self.watchdog.life(self.restart)
     # One process needs no coordinator: no TCP port (a TPU host may allow none).
     one = len(self.hosts) * self.procs_per_host == 1
     coordinator = None if one else f"127.0.0.1:{free_port()}"
@@ -441,7 +434,8 @@ class _Run:
     live = {h: self.cluster.addresses[h] for h in range(self.cluster.num_hosts)
             if self.cluster.poll(h) is None}
     poll = functools.partial(drain.poll, token=self.cluster.token)
-    drain.wait(live, grace=grace, say=self.say, interrupted=self.signalled, poll=poll)
+    self.drained = drain.wait(live, grace=grace, say=self.say, interrupted=self.signalled,
+                              poll=poll)
 
   def signalled(self) -> str | None:
     """The name of a signal that came since the supervisor stopped reading its events."""
@@ -596,9 +590,12 @@ def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
   if threading.current_thread() is threading.main_thread():
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
   follower: sidecar_logs.Follower | None = None
-  supervised = False
+  supervised, code = False, None
   try:
     try:
+      if (why := trainers.cannot_start(command)) is not None:
+        launch.say(f"{why}; starting nothing")
+        return 127
       if not torch:  # a PyTorch job's trainers need no word on JAX's platform
         launch.say(platform.for_trainers(os.environ, devices=devices_per_host).summary)
       if logs is not None:
@@ -625,7 +622,8 @@ def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
       launch.say(f"cannot run {command[0]!r}: {e}")
       return 127 if isinstance(e, FileNotFoundError) else 126
     supervised = True
-    return launch.supervise()
+    code = launch.supervise()
+    return code
   finally:
     in_start = False
     launch.watchdog.close()
@@ -636,5 +634,7 @@ def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
     cluster.close(grace=_STOP_NOW_S if launch.hurried else STOP_GRACE_S)
     if follower is not None:
       follower.close()  # after the sidecars' last words
+    if supervised:  # what the sidecars did with the steps, once stopped; how to resume
+      drain.after_stop(launch.drained, 1 if code is None else code, launch.say)
     for signum, old in previous.items():
       signal.signal(signum, old)

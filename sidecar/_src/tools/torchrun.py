@@ -19,6 +19,20 @@ from collections.abc import Mapping
 
 from sidecar._src.core import errors, job as job_lib, platform
 
+# What `sidecar launch --help` says of --torch (the variables torchrun_env gives).
+LAUNCH_HELP = """\
+With --torch, each trainer also gets torchrun's environment, by its names: RANK,
+LOCAL_RANK (0..P-1), WORLD_SIZE (N*P), LOCAL_WORLD_SIZE (P), GROUP_RANK (the host's place
+in the job), GROUP_WORLD_SIZE, ROLE_RANK, ROLE_WORLD_SIZE, ROLE_NAME=default,
+MASTER_ADDR=127.0.0.1, MASTER_PORT=<the job's c10d store>, TORCHELASTIC_RESTART_COUNT
+(SIDECAR_RESTART), TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID=none,
+TORCHELASTIC_USE_AGENT_STORE=True (the launcher serves the store, as torchrun's agent, on
+127.0.0.1 only: a rank's TCPStore would listen on every interface; a fresh one each start),
+and OMP_NUM_THREADS=1 unless set, when N*P > 1 (torchrun sets it for a node's ranks; here
+every rank shares this machine's cores). torch.distributed.init_process_group()
+(env://) and sidecar.torch.connect() then need no arguments.
+"""
+
 
 def torchrun_env(*, rank: int, local_rank: int, world_size: int, local_world_size: int,
                  group_rank: int, group_world_size: int, master_addr: str, master_port: int,

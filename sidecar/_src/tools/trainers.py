@@ -5,11 +5,17 @@ ended. When to start, restart or give up is the launch's (``launch.py``)."""
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import BinaryIO, Protocol
+
+# Python's options that take a value as the next argument (``python -X dev SCRIPT``).
+_PYTHON_VALUE_OPTIONS = frozenset({"-W", "-X", "--check-hash-based-pycs"})
+_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*")
 
 
 class Out(Protocol):
@@ -20,6 +26,41 @@ class Out(Protocol):
   def flush(self) -> None: ...
 
 READ_CHUNK = 1 << 16
+
+
+def cannot_start(command: Sequence[str]) -> str | None:
+  """Why ``command`` cannot start, told before anything runs (a restart would fail the
+  same way): its program is not found, or it is ``python SCRIPT ...`` (after ``env
+  NAME=VALUE...``, if any) and SCRIPT is not a file; else None. ``-m``/``-c`` and other
+  programs' arguments are their own to check."""
+  args, path = list(command), None
+  if args and os.path.basename(args[0]) == "env":
+    args.pop(0)
+    while args and _ASSIGNMENT.fullmatch(args[0]):
+      path = args[0][len("PATH="):] if args[0].startswith("PATH=") else path
+      args.pop(0)
+  if not args:
+    return None
+  program = args[0]
+  if shutil.which(program, path=path) is None:
+    return (f"cannot run {program!r}: no such program (not a path to an executable, nor "
+            "found on PATH)")
+  if not re.fullmatch(r"python[\d.]*", os.path.basename(program)):
+    return None
+  rest = args[1:]
+  while rest and rest[0].startswith("-") and rest[0] != "-":
+    if rest[0] in ("-m", "-c") or rest[0].startswith(("-m", "-c")) or rest[0] == "--":
+      return None if rest[0] != "--" or len(rest) < 2 or os.path.isfile(rest[1]) else (
+          _no_script(rest[1]))
+    rest = rest[2:] if rest[0] in _PYTHON_VALUE_OPTIONS else rest[1:]
+  if rest and rest[0] != "-" and not os.path.isfile(rest[0]):
+    return _no_script(rest[0])
+  return None
+
+
+def _no_script(path: str) -> str:
+  return (f"cannot run the trainer: its script {os.path.abspath(path)} is not a file "
+          f"(python would exit 2: can't open file {path!r}); check the path")
 
 
 def pump(pipe: BinaryIO, prefix: bytes, out: Out, lock: threading.Lock) -> None:
@@ -62,6 +103,26 @@ def how(returncode: int) -> str:
   if returncode < 0:
     return f"was killed by {signal.Signals(-returncode).name}"
   return f"exited with code {returncode}"
+
+
+PID_MAX = 1 << 22  # the kernel's largest pid_max (PID_MAX_LIMIT, 64-bit)
+
+
+def in_group(pid: int, group: int) -> bool:
+  """Whether ``pid`` is a live process in process group ``group`` (a trainer this launcher
+  started leads its own), as the kernel says (``/proc/<pid>/stat``'s pgrp), never as a
+  client claims: a pid that is not an int in 1..:data:`PID_MAX`, not alive, a zombie, or
+  in another group (another user's process, the launcher's own) is not."""
+  if (isinstance(pid, bool) or not isinstance(pid, int) or not 0 < pid <= PID_MAX
+      or isinstance(group, bool) or not isinstance(group, int) or not 0 < group <= PID_MAX):
+    return False
+  try:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+      fields = f.read().rsplit(b")", 1)[1].split()  # the name may hold spaces and ")"
+    state, pgrp = fields[0], int(fields[2])  # stat's fields 3 and 5
+  except (OSError, ValueError, IndexError):
+    return False
+  return state not in (b"Z", b"X") and pgrp == group
 
 
 def signal_group(pgid: int, signum: int) -> None:

@@ -2,22 +2,31 @@
 
 **Stalls.** Every sidecar knows each attached trainer's step progress (its feed's
 batches taken, its saves: ``server/goodput/steps.py``) and says in ``Status.trainers`` which are
-stalled (the rule: ``core/stall.py``). :class:`Watchdog` polls each sidecar's Status
-every :data:`POLL_S` in a thread of its own; the launcher asks it, between events, for a
-stall among the trainers of its current start (:meth:`Watchdog.stalled`), and
-:meth:`Watchdog.kill` then prints the stall line, has the trainer write its Python stacks
-(``core/stacks.py``: faulthandler on ``$SIDECAR_STACKS_SIGNAL``, every thread), and kills
-its process group. The launcher restarts it like a crash.
+stalled (the rule: ``core/stall.py``: timed from its first completed step). :class:`Watchdog`
+polls each sidecar's Status every :data:`POLL_S` in a thread of its own; the launcher asks
+it, between events, for a stall among the trainers of its current start
+(:meth:`Watchdog.stalled`), and :meth:`Watchdog.kill` then prints the stall line, has the
+trainer write its Python stacks (``core/stacks.py``: faulthandler on
+``$SIDECAR_STACKS_SIGNAL``, every thread), **looks again** (a trainer that stepped
+meanwhile is spared), and kills its process group. The launcher restarts it like a crash.
 
-**Failures that recur at once.** A trainer that fails the same way (the same exit status
-and the same last error line of its output) before its first step :data:`REPEATS` times
-in a row ends the job with that failure instead of restarting it again
-(:meth:`Watchdog.recurs`): a typo in a path fails the same way every time, and
-restarting it only hides the error under more output. "Before its first step": its
-sidecar saw it attach and no step of it (the same signal as stalls). A trainer its
-sidecar never saw (one that failed before its Worker attached, or one that uses no
-sidecar, as a Grain + Orbax trainer under the same launcher) is restarted as before: no
-signal tells its steps from none.
+**Only processes the launcher started are signalled.** The pid a sidecar lists is what
+its session said; it is signalled only where ``/proc`` shows it in the process group of
+the trainer the launcher started for that rank (:func:`trainers.in_group`): a negative,
+zero, impossible or foreign pid is never signalled, and its stall is not acted on.
+
+**Failures that recur.** A trainer that fails the same way (the same exit status and the
+same last error line of its output) :data:`REPEATS` times in a row, either before its
+first step or at the same step, ends the job with that failure instead of restarting it
+again (:meth:`Watchdog.recurs`): a typo in a path, or a bug that raises in step 30,
+fails the same way every time, and restarting it only hides the error under more output.
+"Before its first step": its sidecar saw it attach and its clock never started (the same
+signal as stalls). "At the same step": its position, the newest step the sidecars held
+when its life began (what it resumed from: as read when the life before it failed) plus
+the batches it took from their feeds, is the same in both lives. A trainer its sidecar
+never saw (one that failed before its Worker attached, or one that uses no sidecar, as a
+Grain + Orbax trainer under the same launcher) is restarted as before: no signal tells its
+steps from none.
 """
 
 from __future__ import annotations
@@ -43,20 +52,25 @@ if TYPE_CHECKING:  # the protobuf messages load with gRPC, once a Status is read
 POLL_S = 1.0  # how often each sidecar's Status is read
 STATUS_TIMEOUT_S = 5.0
 STACKS_S = 1.0  # how long a stalled trainer is given to write its stacks
-REPEATS = 2  # the same failure before the first step this often in a row ends the job
+REPEATS = 2  # the same failure this often in a row (before a step, or at one) ends the job
 # What `sidecar launch --help` says of this module's two rules.
 HELP = f"""\
-A trainer that fails the same way (exit status and last error line) after its Worker
-attached and before its first step {REPEATS} times in a row is not restarted again: the
-job ends with that failure.
+A trainer that fails the same way (exit status and last error line) {REPEATS} times in a
+row, after its Worker attached and before its first step, or at the same step (the step
+it resumed from plus the batches it took), is not restarted again: the job ends with
+that failure.
 
---stall-timeout SECONDS (default {stall.DEFAULT_FLOOR_S:g}; 0: off): a trainer that made its
-first step and then none (no feed batch taken, no save: its sidecar watches) for the
-larger of SECONDS and {stall.MULTIPLE:g}x its slowest step is stalled: the launcher prints
+--stall-timeout SECONDS (default {stall.DEFAULT_FLOOR_S:g}; 0: off): a trainer is timed from
+its first completed step (its start, a restore, its first compile are never watched);
+one that then makes no step (no feed batch taken, no save: its sidecar watches) for the
+larger of SECONDS and {stall.MULTIPLE:g}x its slowest step (or a long phase's budget, which it
+announces with `with ctl.phase("eval", budget_s=...)`) is stalled: the launcher prints
 "host H rank R stalled: no step for S s ...", then its Python stacks (faulthandler on
-SIDECAR_STACKS_SIGNAL, SIGUSR2 unless set), kills it and restarts it as a crash; with no
-restart left the job ends with exit code {stall.EXIT_CODE}. The goodput ledger counts it
-as badput "stall" (docs/elastic.md).
+SIDECAR_STACKS_SIGNAL, SIGUSR2 unless set), looks again (one that stepped meanwhile is
+spared), kills it and restarts it as a crash; with no restart left the job ends with
+exit code {stall.EXIT_CODE}. Only a pid in the process group of a trainer this launcher
+started is ever signalled. The goodput ledger counts it as badput "stall"
+(docs/elastic.md).
 """
 _ERROR_LINE = re.compile(rb"^\s*([A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b.*)$")
 _LINE_CHARS = 300
@@ -67,9 +81,10 @@ class Stall:
   """A trainer its sidecar found stalled."""
   host: int
   rank: int
-  pid: int  # the process its Worker runs in
+  pid: int  # the process its Worker runs in, as its sidecar lists it (unverified)
   since_s: float  # seconds since its last step
   timeout_s: float
+  restart: int = -1
 
   @property
   def why(self) -> str:
@@ -80,8 +95,17 @@ class Stall:
 class _Failure:
   code: int
   line: str  # its output's last error line (or last line)
-  stepped: bool  # its sidecar saw a step of it
+  stepped: bool  # its sidecar saw its first completed step
   seen: bool  # its sidecar saw it attach: "no step" means something
+  position: int | None  # the step it resumed from + the batches it took (None: unknown)
+
+  def same(self, other: _Failure) -> bool:
+    """The same failure: the same exit status and last error line, both before a first
+    step, or both at one and the same known step."""
+    if (self.code, self.line, self.seen, self.stepped) != (
+        other.code, other.line, other.seen, other.stepped):
+      return False
+    return not self.stepped or self.position is not None and self.position == other.position
 
 
 class _Tap:
@@ -119,6 +143,10 @@ class Watchdog:
     self._latest: dict[int, list] = {}  # host -> its Status.trainers, last read
     self._stepped: set[tuple[int, int]] = set()  # (rank, restart) seen with a step
     self._seen: set[tuple[int, int]] = set()  # (rank, restart) seen attached
+    self._taken: dict[tuple[int, int], int] = {}  # (rank, restart) -> batches it took
+    self._resumed: dict[int, int | None] = {0: 0}  # restart -> the newest step held then
+    self._newest = 0  # the newest step any sidecar held committed, as last read
+    self._refused: set[tuple[int, int, int, int]] = set()  # stalls not acted on, said once
     self._lines: dict[int, str] = {}  # rank -> its output's last error line
     self._last: dict[int, str] = {}  # rank -> its output's last line
     self._failures: list[_Failure] = []  # the job's, in order, those before a step
@@ -153,14 +181,25 @@ class Watchdog:
       if self._stop.is_set() and self._thread is not None:
         return
       try:
-        got = list(status_lib.fetch(address, timeout=STATUS_TIMEOUT_S,
-                                    token=self._token).trainers)
+        status = status_lib.fetch(address, timeout=STATUS_TIMEOUT_S, token=self._token)
       except Exception:  # noqa: BLE001 - a dead sidecar is the launcher's to notice
         continue
+      got = list(status.trainers)
+      held = [int(s) for c in status.checkpoints for s in c.ram_steps]  # committed
       with self._lock:
+        self._newest = max([self._newest, *held])
         self._latest[host] = got
-        self._stepped.update((t.rank, t.restart) for t in got if t.steps > 0)
+        self._stepped.update((t.rank, t.restart) for t in got if t.since_step_s >= 0)
         self._seen.update((t.rank, t.restart) for t in got)
+        for t in got:
+          key = (t.rank, t.restart)
+          self._taken[key] = max(self._taken.get(key, 0), int(t.steps))
+
+  def life(self, restart: int) -> None:
+    """Start ``restart`` begins: the step its trainers resume from is the newest step the
+    sidecars held when last read (:meth:`recurs` reads them as a trainer fails)."""
+    with self._lock:
+      self._resumed[restart] = self._newest
 
   # ---- stalls ---------------------------------------------------------------------------
 
@@ -173,42 +212,76 @@ class Watchdog:
       latest = [(h, t) for h, ts in self._latest.items() for t in ts]
     for host, t in latest:
       if t.stalled and not t.ended and t.restart == restart and t.rank in running:
-        return Stall(host, t.rank, int(t.pid), t.since_step_s, t.stall_timeout_s)
+        key = (host, t.rank, t.restart, int(t.pid))
+        if key in self._refused:
+          continue
+        if not trainers.in_group(int(t.pid), running[t.rank]):
+          self._refused.add(key)
+          self._say(f"host {host} lists rank {t.rank} stalled with pid {t.pid}, which is not "
+                    f"in the process group of the trainer this launcher started for it "
+                    f"({running[t.rank]}); signalling nothing")
+          continue
+        return Stall(host, t.rank, int(t.pid), t.since_step_s, t.stall_timeout_s, t.restart)
     return None
 
   def check(self, running: Mapping[int, subprocess.Popen], restart: int) -> Stall | None:
     """A stall among ``running`` (rank -> its trainer, of start ``restart``), its stacks
-    printed and its process group killed (:meth:`kill`); None where there is none."""
+    printed and its process group killed (:meth:`kill`); None where there is none, or
+    where it stepped while its stacks were written."""
     found = self.stalled({r: p.pid for r, p in running.items() if p.poll() is None},
                          restart)
-    if found is not None:
-      self.kill(found, running[found.rank].pid)
-    return found
+    if found is not None and self.kill(found, running[found.rank].pid):
+      return found
+    return None
 
-  def kill(self, stall: Stall, group: int) -> None:
-    """Prints the stall line, has the trainer write its stacks, and kills process group
-    ``group`` (the trainer's); forgets the stall, which the sidecars will list as ended."""
+  def kill(self, stall: Stall, group: int) -> bool:
+    """Prints the stall line, has the trainer write its stacks, looks again, and kills
+    process group ``group`` (the trainer's, which this launcher started) where it is
+    still stalled; forgets the stall, which the sidecars will list as ended. Returns
+    whether it killed: a pid not in ``group`` is never signalled (:func:`trainers.in_group`)."""
+    if not trainers.in_group(stall.pid, group):
+      self._say(f"host {stall.host} rank {stall.rank}'s pid {stall.pid} is not in the "
+                f"process group of the trainer this launcher started ({group}); "
+                "signalling nothing")
+      return False
     self._say(f"host {stall.host} rank {stall.rank} stalled: no step for "
               f"{stall.since_s:.1f} s since its last step (its stall timeout "
               f"{stall.timeout_s:.1f} s, --stall-timeout); pid {stall.pid}'s Python stacks "
-              "follow, then it is killed")
+              "follow, then it is killed if it is still stalled")
     sig = _stacks_signal()
     # Unknown (no SigCgt in /proc: gVisor) is sent too: an attached trainer's Worker arms
     # the signal when SIDECAR_STACKS_SIGNAL is set, and the trainer is killed next anyway.
     if sig is not None and stacks.catches(stall.pid, sig) is not False:
       try:
         os.kill(stall.pid, sig)
-        time.sleep(STACKS_S)  # its handler writes at once; the pump forwards the lines
       except OSError:
         pass
     else:
       self._say(f"no stacks: pid {stall.pid} does not catch "
                 f"{env_lib.STACKS_SIGNAL}={sig.name if sig else 'unset'} (its Worker arms "
                 "faulthandler when it attaches)")
+    time.sleep(STACKS_S)  # its handler writes at once; the pump forwards the lines
+    if (moved := self._stepped_since(stall)) is not None:
+      self._say(f"host {stall.host} rank {stall.rank} stepped while its stacks were written "
+                f"({moved}); not killing it")
+      return False
     trainers.signal_group(group, signal.SIGKILL)
     with self._lock:
       for ts in self._latest.values():
         ts[:] = [t for t in ts if t.rank != stall.rank]
+    return True
+
+  def _stepped_since(self, stall: Stall) -> str | None:
+    """How ``stall``'s trainer shows a step since it was found stalled, its sidecar read
+    again now; None where it is still stalled (or its sidecar does not answer)."""
+    self.refresh()
+    with self._lock:
+      now = [t for t in self._latest.get(stall.host, ())
+             if (t.rank, t.restart, int(t.pid)) == (stall.rank, stall.restart, stall.pid)]
+    for t in now:  # one that stepped and then ended (it ran to its end) is no stall either
+      if not t.stalled:
+        return f"its last step {max(t.since_step_s, 0):.1f} s ago"
+    return None
 
   # ---- failures that recur ------------------------------------------------------------------
 
@@ -232,19 +305,24 @@ class Watchdog:
 
   def recurs(self, rank: int, restart: int, code: int) -> str | None:
     """Notes that rank ``rank`` of start ``restart`` failed with ``code``; the reason to
-    end the job where this is the :data:`REPEATS`-th same failure before a first step in
-    a row, else None."""
+    end the job where this is the :data:`REPEATS`-th same failure in a row, before a
+    first step or at the same step, else None."""
     self.refresh()  # its last step may have come since the last poll
     with self._lock:
       line = self._lines.get(rank) or self._last.get(rank) or ""
-      failure = _Failure(code, line, (rank, restart) in self._stepped,
-                         (rank, restart) in self._seen)
+      key = (rank, restart)
+      resumed = self._resumed.get(restart)
+      position = None if resumed is None or key not in self._seen else (
+          resumed + self._taken.get(key, 0))
+      failure = _Failure(code, line, key in self._stepped, key in self._seen, position)
       self._failures.append(failure)
       last = self._failures[-REPEATS:]
-    if (failure.stepped or not failure.seen or len(last) < REPEATS
-        or any(f != failure for f in last)):
+    if not failure.seen or len(last) < REPEATS or not all(f.same(failure) for f in last):
       return None
-    return (f"it failed the same way {REPEATS} times in a row before its first step "
+    where = "before its first step" if not failure.stepped else (
+        f"at the same step ({failure.position}: the step it resumed from plus the batches "
+        "it took)")
+    return (f"it failed the same way {REPEATS} times in a row {where} "
             f"({trainers.how(code)}" + (f"; its last error: {line}" if line else "")
             + "): a restart would fail again; not restarting it")
 
@@ -325,8 +403,8 @@ def watch_one(proc: subprocess.Popen, address: str, *, token: str | None, rank: 
     except subprocess.TimeoutExpired:
       pass
     dog.refresh()
-    if (found := dog.stalled({rank: proc.pid}, restart)) is not None:
-      dog.kill(found, proc.pid)  # the trainer leads its own process group
+    found = dog.stalled({rank: proc.pid}, restart)
+    if found is not None and dog.kill(found, proc.pid):  # it leads its own process group
       proc.wait()
       return stall.EXIT_CODE
 

@@ -90,3 +90,59 @@ def test_a_failure_that_changes_is_restarted_as_before(tmp_path):
   assert p.returncode == 1, p.stdout + p.stderr
   assert len(re.findall(r"restart \d+:", p.stderr)) == 2, p.stderr
   assert "after 2 restarts (--max-restarts 2)" in p.stderr
+
+
+def test_a_first_step_slower_than_the_stall_timeout_and_a_long_phase_are_no_stall(tmp_path):
+  """Issue 69: the first batch is taken before the first step's compile; a compile of 3x
+  --stall-timeout in every life (and an evaluation announced with ``ctl.phase``) is never
+  taken for a hang: the trainer, SIGKILLed once, runs to its last step with no stall."""
+  floor = 2
+  p = _launch("--import", "tests.support.feed_fns", "--stall-timeout", str(floor),
+              "--max-restarts", "1", "--", sys.executable, "-m", "tests.support.stall_train",
+              str(tmp_path / "ckpt"), "slow", "1", str(floor))
+  out, err = p.stdout, p.stderr
+  assert p.returncode == 0, out + err
+  assert "stalled" not in err, err
+  assert re.search(r"restart 1: host 0's trainer was killed by SIGKILL", err), err
+  got = results(out)
+  assert got[-1]["kind"] == "done" and got[-1]["restart"] == 1
+  assert [r["step"] for r in got if r["kind"] == "step" and r["restart"] == 1] == list(
+      range(5, 13))  # from the step saved before the kill
+
+
+def test_a_trainer_that_steps_while_its_stacks_are_written_is_not_killed(tmp_path):
+  p = _launch("--import", "tests.support.feed_fns", "--stall-timeout", "3",
+              "--max-restarts", "1", "--", sys.executable, "-m", "tests.support.stall_train",
+              str(tmp_path / "ckpt"), "wakes", "1", "3")
+  out, err = p.stdout, p.stderr
+  assert p.returncode == 0, out + err
+  assert "host 0 rank 0 stalled: no step for" in err, err
+  assert re.search(r"host 0 rank 0 stepped while its stacks were written \(its last step "
+                   r"[\d.]+ s ago\); not killing it", err), err
+  assert re.search(r"\[host 0\] .*line \d+ in hang_until_signalled", out), out
+  assert "restart 1" not in err, err
+  got = results(out)
+  assert got[-1]["kind"] == "done" and got[-1]["restart"] == 0
+
+
+def test_the_same_bug_at_the_same_step_ends_the_job_after_two_lives(tmp_path):
+  """Issue 69: a bug that raises in the same step in every life (after its first, from the
+  step saved before it) is not restarted until --max-restarts runs out."""
+  p = _launch("--import", "tests.support.feed_fns", "--stall-timeout", "0",
+              "--max-restarts", "3", "--", sys.executable, "-m", "tests.support.stall_train",
+              str(tmp_path / "ckpt"), "raise", "0")
+  out, err = p.stdout, p.stderr
+  assert p.returncode == 1, out + err
+  assert re.search(r"it failed the same way 2 times in a row at the same step \(6: the step "
+                   r"it resumed from plus the batches it took\) \(exited with code 1; its last "
+                   r"error: RuntimeError: a bug in step 6\)", err), err
+  assert len(re.findall(r"restart \d+:", err)) == 1, err  # two lives, not four
+  assert "re-run the same command to resume from step 4" in err, err
+
+
+def test_a_missing_script_ends_the_job_at_once_naming_it(tmp_path):
+  missing = tmp_path / "no-such-dir" / "train.py"
+  p = _launch("--max-restarts", "3", "--", sys.executable, str(missing), timeout=60)
+  assert p.returncode == 127, p.stdout + p.stderr
+  assert f"its script {missing} is not a file" in p.stderr, p.stderr
+  assert "restart" not in p.stderr and "sidecar (pid" not in p.stderr, p.stderr

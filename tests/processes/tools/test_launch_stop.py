@@ -106,3 +106,26 @@ def test_a_trainer_killed_after_its_step_was_taken_over_loses_nothing_without_re
   assert p.returncode == 128 + signal.SIGKILL, err
   assert "step 1 on host 0 written and committed" in err, err
   assert _committed(tmp_path / "ckpt") == ["1"]
+
+
+def test_a_step_its_sidecar_commits_as_it_stops_is_said_committed_and_resumable(tmp_path):
+  """Issue 69: ``--save-grace 0`` after Ctrl-C said "abandoned step 1 (not committed)" while
+  the sidecar, stopping, committed it (a re-run restored it). The launcher now looks in the
+  directory once the sidecars stopped, and says how to resume."""
+  env = dict(os.environ, **{env_lib.CKPT_FAULT: f"slow@1:{tmp_path / 'written'}"})
+  p = subprocess.Popen(
+      [sys.executable, "-m", "sidecar", "launch", "--hosts", "1", "--shm-size", "16MiB",
+       "--save-grace", "0", "--log-dir", str(tmp_path / "logs"), "--", sys.executable, "-m",
+       "tests.support.save_trainer", str(tmp_path / "ckpt")],
+      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  _until_taken_over(p, tmp_path)
+  p.send_signal(signal.SIGINT)
+  err = _read_until(p.stderr, "the sidecars stop now")
+  (tmp_path / "written").touch()  # its write ends while its sidecar stops
+  _, rest = p.communicate(timeout=60)
+  err += rest
+  assert p.returncode == 130, err
+  assert "step 1 on host 0 committed as the sidecars stopped" in err, err
+  assert "abandoned" not in err, err
+  assert "re-run the same command to resume from step 1" in err, err
+  assert _committed(tmp_path / "ckpt") == ["1"]

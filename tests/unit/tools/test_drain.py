@@ -29,11 +29,14 @@ class Sidecars:
     return {drain.Step(step, host, "/ckpt"): state for step, state in answer.items()}
 
 
-def _wait(answers, *, grace=30.0, interrupted=lambda: None):
+def _wait(answers, *, grace=30.0, interrupted=lambda: None, committed=lambda step: False):
+  """The steps abandoned once the sidecars stopped (``committed``: what their directory
+  shows then), and what was said."""
   said = []
   sidecars = Sidecars(answers)
-  abandoned = drain.wait({h: f"unix:/h{h}" for h in answers}, grace=grace, say=said.append,
-                         interrupted=interrupted, poll=sidecars.poll)
+  drained = drain.wait({h: f"unix:/h{h}" for h in answers}, grace=grace, say=said.append,
+                       interrupted=interrupted, poll=sidecars.poll)
+  abandoned = drain.settle(drained, said.append, committed=committed)
   return [(s.step, s.host) for s in abandoned], said
 
 
@@ -53,7 +56,19 @@ def test_the_steps_being_written_are_waited_for_until_committed():
 def test_the_grace_running_out_names_what_is_abandoned():
   abandoned, said = _wait({0: [{300: W, 200: C}]}, grace=0.3)
   assert abandoned == [(300, 0)]
+  assert said[-2].startswith("still being written after 0.3 s: step 300 on host 0 still being "
+                             "written; the sidecars stop now")
   assert said[-1] == "still being written after 0.3 s: abandoned step 300 on host 0 (not committed)"
+
+
+def test_a_step_the_sidecar_commits_as_it_stops_is_said_committed_not_abandoned():
+  """Issue 69: ``--save-grace 0`` after Ctrl-C said "abandoned step 200 (not committed)"
+  while the sidecar, given its stop's grace, committed step 200 (a re-run restored it)."""
+  abandoned, said = _wait({0: [{200: W}]}, grace=0.0, committed=lambda s: s.step == 200)
+  assert abandoned == []
+  assert said[-1] == ("still being written after 0 s: step 200 on host 0 committed as the "
+                      "sidecars stopped")
+  assert not any("abandoned" in line for line in said), said
 
 
 def test_a_signal_ends_the_wait_at_once():
@@ -88,3 +103,23 @@ def test_steps_of_several_directories_are_named_with_them():
   step = drain.Step
   assert drain._steps([step(1, 0, "/a"), step(2, 0, "/b"), step(1, 1, "/a")]) == (
       "step 1 of /a on hosts 0, 1; step 2 of /b on host 0")
+
+
+def test_a_job_that_stopped_with_steps_saved_says_how_to_resume(tmp_path):
+  """Issue 69 (and 71): a stopped job names the step a re-run of the same command resumes
+  from: the newest one committed in its directory, never one left half written."""
+  said = []
+  ckpt = tmp_path / "ckpt"
+  for step in (100, 200):
+    (ckpt / str(step)).mkdir(parents=True)
+    (ckpt / str(step) / "_CHECKPOINT_METADATA").write_text("{}")
+  (ckpt / "300.orbax-checkpoint-tmp").mkdir()
+  (ckpt / "400").mkdir()  # no metadata: never committed
+  drained = drain.Drained(directories=frozenset({str(ckpt), str(tmp_path / "gone")}))
+  drain.after_stop(drained, 130, said.append)
+  assert said == ["re-run the same command to resume from step 200"]
+  said.clear()
+  drain.after_stop(drained, 0, said.append)  # it ended well: nothing to resume
+  assert said == []
+  drain.after_stop(drain.Drained(), 1, said.append)  # it saved nothing
+  assert said == []

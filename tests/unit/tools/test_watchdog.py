@@ -3,10 +3,11 @@ first step, and the output tap that finds the last error line. Tier 1: no sideca
 Watchdog with no addresses reads nothing)."""
 
 import io
+import os
 
 import pytest
 
-from sidecar._src.tools import watchdog
+from sidecar._src.tools import trainers, watchdog
 
 pytestmark = pytest.mark.unit
 
@@ -65,3 +66,48 @@ def test_the_tap_passes_the_output_on_whole():
   out = io.BytesIO()
   d.tap(0, out).write(b"[host 0] a\n[host 0] OSError: x\n")
   assert out.getvalue() == b"[host 0] a\n[host 0] OSError: x\n"
+
+
+def at_step(d, rank, restart, code, line, *, resumed, taken):
+  """A failure after its first step: its life resumed from step ``resumed`` and its feeds
+  gave it ``taken`` batches (Status.trainers)."""
+  d._stepped.add((rank, restart))
+  d._resumed[restart] = resumed
+  d._taken[(rank, restart)] = taken
+  return fail(d, rank, restart, code, line)
+
+
+def test_the_same_failure_at_the_same_step_twice_ends_the_job():
+  """Issue 69: a bug in step 30 of every life; the second resumed from step 20."""
+  d = dog()
+  assert at_step(d, 0, 0, 1, "RuntimeError: a bug", resumed=0, taken=30) is None
+  why = at_step(d, 0, 1, 1, "RuntimeError: a bug", resumed=20, taken=10)
+  assert why.startswith("it failed the same way 2 times in a row at the same step (30: ")
+  assert "its last error: RuntimeError: a bug" in why
+
+
+@pytest.mark.parametrize("second", [
+    dict(resumed=20, taken=14),  # it got further: a flaky failure
+    dict(resumed=None, taken=10),  # what it resumed from is not known
+    dict(resumed=20, taken=10, code=2),
+], ids=["another-step", "unknown-step", "another-code"])
+def test_a_failure_at_another_or_an_unknown_step_restarts(second):
+  d = dog()
+  assert at_step(d, 0, 0, 1, "RuntimeError: a bug", resumed=0, taken=30) is None
+  code = second.pop("code", 1)
+  assert at_step(d, 0, 1, code, "RuntimeError: a bug", **second) is None
+
+
+@pytest.mark.parametrize("pid", [0, -1, -os.getpgrp(), trainers.PID_MAX + 1, 2**63, True,
+                                 1.5, "7"],
+                         ids=["zero", "minus-one", "minus-group", "over-pid-max", "2**63",
+                              "bool", "float", "str"])
+def test_an_impossible_pid_is_in_no_group(pid):
+  assert not trainers.in_group(pid, os.getpgrp())
+
+
+def test_a_pid_is_in_its_own_group_only():
+  assert trainers.in_group(os.getpid(), os.getpgrp())
+  assert not trainers.in_group(os.getpid(), os.getpgrp() + 1)
+  assert not trainers.in_group(os.getpid(), -os.getpgrp())
+  assert not trainers.in_group(trainers.PID_MAX, os.getpgrp())  # no such process

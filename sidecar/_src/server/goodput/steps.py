@@ -1,12 +1,18 @@
 """Each trainer's step progress, as this sidecar sees it: the stall signal.
 
 The sidecar sees every step of the trainers attached to it: a feed's credits (the
-trainer took batches: ``credits.SocketCredits``) and the goodput ledger's events (a
-first step, a save, a mark whose batch count grew: ``workers.py``). :class:`Steps`
+trainer took batches: ``credits.SocketCredits``), the goodput ledger's events (a first
+step, a save, a mark whose batch count grew: ``workers.py``) and the trainer's own word
+(``phase`` frames: its first step completed, a long phase begins or ends). :class:`Steps`
 keeps, per worker session, when it attached, its last step and the longest gap between
-two steps, and says whether it is **stalled**: no step for longer than its timeout, once
-it made its first step (the rule: ``core/stall.py``; its floor is ``sidecar serve
---stall-timeout``, which ``sidecar launch --stall-timeout`` sets).
+two steps, and says whether it is **stalled** (the rule: ``core/stall.py``; its floor is
+``sidecar serve --stall-timeout``, which ``sidecar launch --stall-timeout`` sets).
+
+Its clock starts at the trainer's first *completed* step, which only the trainer can
+tell: a feed's first credits come before the first step's compile (the trainer took
+batch 1, then compiles; a device-prefetch thread takes several). So the step signals
+before the trainer's ``startup`` phase ends are counted and heard, never timed; a
+trainer that never says so (a Worker used alone) is never stalled.
 
 ``sidecar launch`` polls it in ``Status.trainers`` (``tools/watchdog.py``), the k8s
 trainer container's liveness probe and ``sidecar slurm``'s jobs the same way
@@ -42,12 +48,13 @@ class Trainer:
   rank: int  # its SIDECAR_PROCESS_ID (-1: not given)
   restart: int  # its SIDECAR_RESTART (-1: not given)
   tenant: str | None
-  steps: int  # step signals seen (a feed's credit may stand for several batches)
-  since_step_s: float | None  # seconds since its last step (None: none yet)
+  steps: int  # batches its trainer took from this sidecar's feeds (credited)
+  since_step_s: float | None  # seconds since its last step (None: its clock has not started)
   slowest_s: float  # the longest gap between two steps after the first
-  timeout_s: float  # its stall timeout now (0: off)
+  timeout_s: float  # its stall timeout now, its phase's budget included (0: off)
   stalled: bool
   ended: bool  # its session ended (listed a while after, see the module docstring)
+  phase: str | None = None  # the long phase it announced, while it lasts
 
 
 @dataclasses.dataclass
@@ -60,10 +67,23 @@ class _Track:
   seen: float | None = None  # last heard from (a frame, a feed credit)
   steps: int = 0
   batches: int = 0  # the most its ledger's marks counted
-  last: float | None = None  # monotonic, of the last step
+  saves: int = 0  # its ledger's saves
+  last: float | None = None  # monotonic, of the last step once its clock started
   last_wall: float | None = None  # the same, Unix seconds (the ledger's)
   slowest: float = 0.0
   ended: float | None = None  # monotonic
+  phase: stall.Phase | None = None  # the long phase it is in
+
+  def limit(self, floor_s: float) -> float:
+    """Its stall timeout now: the rule's, or its phase's budget where larger."""
+    limit = stall.timeout(floor_s, self.slowest)
+    if limit and self.phase is not None and self.phase.budget_s is not None:
+      return max(limit, self.phase.budget_s)
+    return limit
+
+  def touch(self, now: float, wall: float) -> None:
+    """Its clock runs from now, no step timed (its start ended, a phase began or ended)."""
+    self.last, self.last_wall, self.seen = now, wall, wall
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -109,9 +129,12 @@ class Steps:
       if (track := self._live.get(session)) is not None:
         track.seen = now
 
-  def step(self, session: str, *, batches: int | None = None) -> None:
-    """``session``'s trainer made step progress (took batches, saved); ``batches``: a
-    ledger's count of batches taken, a step only where it grew."""
+  def step(self, session: str, *, taken: int = 0, batches: int | None = None,
+           saves: int = 0) -> None:
+    """``session``'s trainer made step progress: took ``taken`` batches of a feed (a
+    credit), or its ledger says so: ``saves`` saves returned, ``batches`` batches taken
+    in all (a step only where it grew). Timed only once its clock started: at the end of
+    its startup (:meth:`phase`), or at its second save (a trainer with no feed of ours)."""
     now, wall = self._monotonic(), self._clock()
     with self._lock:
       track = self._live.get(session)
@@ -121,10 +144,35 @@ class Steps:
         if batches <= track.batches:
           return
         track.batches = batches
-      if track.last is not None:
+      track.steps += max(taken, 0)
+      track.saves += max(saves, 0)
+      track.seen = wall
+      if track.last is None and track.saves >= 2:  # a first save may precede its compile
+        track.touch(now, wall)
+      elif track.last is not None:  # its clock runs
         track.slowest = max(track.slowest, now - track.last)
-      track.steps += 1
-      track.last, track.last_wall, track.seen = now, wall, wall
+        track.last, track.last_wall = now, wall
+
+  def phase(self, session: str, phase: stall.Phase) -> None:
+    """``session``'s trainer said ``phase`` begins or ends (``core/stall.py``): the end of
+    :data:`stall.STARTUP` starts its clock; a long phase's start and end restart it,
+    and its budget holds while it lasts."""
+    now, wall = self._monotonic(), self._clock()
+    with self._lock:
+      track = self._live.get(session)
+      if track is None:
+        return
+      if phase.name == stall.STARTUP:
+        if track.last is None:
+          track.touch(now, wall)
+        return
+      if phase.ends and (track.phase is None or track.phase.name != phase.name):
+        return  # not the phase it is in: nothing ends
+      track.phase = None if phase.ends else phase
+      if track.last is not None:
+        track.touch(now, wall)
+      else:
+        track.seen = wall
 
   def end(self, session: str) -> Ended | None:
     """``session`` ended: what its ledger's death needs (None: no such session)."""
@@ -135,7 +183,7 @@ class Steps:
         return None
       track.ended = now
       self._ended.append(track)
-      limit = stall.timeout(self.floor_s, track.slowest)
+      limit = track.limit(self.floor_s)
       if track.last is None or track.last_wall is None or not limit or (
           now - track.last <= limit):
         return Ended(track.seen, None)
@@ -154,8 +202,9 @@ class Steps:
 
 def _listed(t: _Track, now: float, floor_s: float) -> Trainer:
   since = None if t.last is None else (t.ended or now) - t.last
-  limit = stall.timeout(floor_s, t.slowest)
+  limit = t.limit(floor_s)
   return Trainer(pid=t.pid, rank=t.rank, restart=t.restart, tenant=t.tenant, steps=t.steps,
                  since_step_s=since, slowest_s=t.slowest, timeout_s=limit,
                  stalled=bool(limit) and since is not None and since > limit,
-                 ended=t.ended is not None)
+                 ended=t.ended is not None,
+                 phase=None if t.phase is None else t.phase.name)

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from sidecar._src.arena import shm
-from sidecar._src.core import errors
+from sidecar._src.core import errors, stall
 from sidecar._src.server import sockets
 from sidecar._src.server.arenas import arenas as arenas_lib
 from sidecar._src.server.arenas.leases import Leases
@@ -354,7 +354,7 @@ class WorkerListener:
         raise errors.InvalidArgumentError("the first frame must start a stream for this session")
       credits = SocketCredits(conn, check_prefetch(first.prefetch),
                                lambda freed: self._blocks.free(session, freed),
-                               on_taken=lambda n: self.steps.step(session))
+                               on_taken=lambda n: self.steps.step(session, taken=n))
       producer = threading.get_ident()
 
       def alive() -> bool:
@@ -452,6 +452,13 @@ class WorkerListener:
     if op == "goodput":
       self._goodput(conn, session, message)
       return
+    if op == stall.OP:  # the trainer's word to the stall rule: never answered
+      try:
+        self.steps.phase(session, stall.Phase.from_dict(message))
+      except ValueError as e:
+        log.warning("worker %s: a phase frame refused: %s", session, e,
+                    extra={"session": session})
+      return
     if op == "alloc":
       reply = self._blocks.answer_alloc(conn, session, message, frames=frames)
       with conns.own_io():
@@ -490,7 +497,9 @@ class WorkerListener:
     """A ledger frame that shows step progress (a first step, a save, more batches) is
     a step of ``session`` (the frame was checked: its events are events)."""
     events = message.get("events", [])
-    if any(e.get("kind") in ("first_step", "save") for e in events):
+    if saves := sum(e.get("kind") == "save" for e in events):
+      self.steps.step(session, saves=saves)
+    elif any(e.get("kind") == "first_step" for e in events):
       self.steps.step(session)
     elif batches := [e["batches"] for e in events if e.get("kind") == "mark"
                      and "batches" in e]:

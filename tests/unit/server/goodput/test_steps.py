@@ -20,6 +20,11 @@ def make(clock, floor=10.0):
   return steps.Steps(floor, clock=lambda: clock["t"] + 1.7e9, monotonic=lambda: clock["t"])
 
 
+def started(s, session="w-1"):
+  """Its Controller says its first step completed (controller/startup.py)."""
+  s.phase(session, stall.Phase(stall.STARTUP))
+
+
 def test_no_trainer_is_stalled_before_its_first_step(clock):
   s = make(clock)
   s.attach("w-1", pid=7, rank=0, restart=0)
@@ -28,9 +33,42 @@ def test_no_trainer_is_stalled_before_its_first_step(clock):
   assert not t.stalled and t.since_step_s is None and t.steps == 0
 
 
+def test_batches_taken_before_the_first_completed_step_start_no_clock(clock):
+  """Issue 69: the first batch is taken before the first step's compile (a prefetch
+  thread takes several): a compile longer than the floor is no stall; the clock starts
+  where the trainer says its first step completed, and the compile is no slow step."""
+  s = make(clock)
+  s.attach("w-1", pid=7, rank=0, restart=0)
+  s.step("w-1", taken=1)
+  s.step("w-1", taken=8)
+  clock["t"] += 3 * 10.0  # the compile: 3x the floor
+  [t] = s.trainers()
+  assert not t.stalled and t.since_step_s is None and t.steps == 9
+  started(s)
+  s.step("w-1", taken=1)
+  [t] = s.trainers()
+  assert t.since_step_s == 0 and t.slowest_s == 0 and t.timeout_s == 10.0
+  clock["t"] += 10.5
+  assert s.trainers()[0].stalled  # from its first completed step, the rule holds
+  started(s)  # said again (a second Controller): no step
+  assert s.trainers()[0].stalled
+
+
+def test_a_trainer_with_no_feed_is_timed_from_its_second_save(clock):
+  s = make(clock)
+  s.attach("w-1", pid=7)
+  s.step("w-1", saves=1)  # step 0's save, before the compile
+  clock["t"] += 100.0
+  assert s.trainers()[0].since_step_s is None
+  s.step("w-1", saves=1)
+  clock["t"] += 10.5
+  assert s.trainers()[0].stalled and s.trainers()[0].slowest_s == 0
+
+
 def test_a_trainer_is_stalled_after_the_floor_without_a_step(clock):
   s = make(clock)
   s.attach("w-1", pid=7, rank=3, restart=1, tenant="alice")
+  started(s)
   for _ in range(5):
     clock["t"] += 0.5
     s.step("w-1")
@@ -48,8 +86,8 @@ def test_a_trainer_is_stalled_after_the_floor_without_a_step(clock):
 def test_a_slow_step_seen_once_raises_the_timeout(clock):
   s = make(clock)
   s.attach("w-1", pid=7)
-  s.step("w-1")
-  clock["t"] += 4.0  # a save, an evaluation
+  started(s)
+  clock["t"] += 4.0  # a save, a recompile
   s.step("w-1")
   clock["t"] += 30.0
   [t] = s.trainers()
@@ -59,7 +97,7 @@ def test_a_slow_step_seen_once_raises_the_timeout(clock):
 def test_a_floor_of_zero_never_stalls(clock):
   s = make(clock, floor=0)
   s.attach("w-1", pid=7)
-  s.step("w-1")
+  started(s)
   clock["t"] += 1e6
   assert not s.trainers()[0].stalled and s.trainers()[0].timeout_s == 0
 
@@ -67,16 +105,18 @@ def test_a_floor_of_zero_never_stalls(clock):
 def test_a_ledger_count_is_a_step_only_where_it_grew(clock):
   s = make(clock)
   s.attach("w-1", pid=7)
+  started(s)
   s.step("w-1", batches=5)
+  clock["t"] += 2.0
   s.step("w-1", batches=5)
   s.step("w-1", batches=3)
-  assert s.trainers()[0].steps == 1
+  assert s.trainers()[0].since_step_s == 2.0
 
 
 def test_an_ended_session_tells_its_stall_and_stays_listed_a_while(clock):
   s = make(clock)
   s.attach("w-1", pid=7)
-  s.step("w-1")
+  started(s)
   last = clock["t"] + 1.7e9
   clock["t"] += 25.0
   ended = s.end("w-1")
@@ -91,7 +131,7 @@ def test_an_ended_session_tells_its_stall_and_stays_listed_a_while(clock):
 def test_a_session_that_ends_moving_is_no_stall(clock):
   s = make(clock)
   s.attach("w-1", pid=7)
-  s.step("w-1")
+  started(s)
   s.heard("w-1")
   clock["t"] += 1.0
   assert s.end("w-1").stalled is None
@@ -110,3 +150,60 @@ def test_a_tenant_sees_its_own_trainers_only(clock):
 def test_a_bad_floor_is_refused(bad):
   with pytest.raises(ValueError, match="stall timeout must be seconds >= 0"):
     steps.Steps(bad)
+
+
+def test_a_long_phase_has_its_budget_and_never_counts_as_the_slowest_step(clock):
+  s = make(clock)
+  s.attach("w-1", pid=7)
+  started(s)
+  s.phase("w-1", stall.Phase("eval", 300.0))
+  clock["t"] += 250.0  # 25x the floor, within its budget
+  [t] = s.trainers()
+  assert not t.stalled and t.timeout_s == 300.0 and t.phase == "eval"
+  s.phase("w-1", stall.Phase("other"))  # not the phase it is in: nothing ends
+  assert s.trainers()[0].phase == "eval"
+  s.phase("w-1", stall.Phase("eval"))
+  [t] = s.trainers()
+  assert t.phase is None and t.since_step_s == 0 and t.slowest_s == 0 and t.timeout_s == 10
+  clock["t"] += 10.5
+  assert s.trainers()[0].stalled  # after it, the rule as before
+
+
+def test_a_phase_over_its_budget_is_a_stall_and_its_ledger_says_so(clock):
+  s = make(clock)
+  s.attach("w-1", pid=7)
+  started(s)
+  s.phase("w-1", stall.Phase("eval", 60.0))
+  begun = clock["t"] + 1.7e9
+  clock["t"] += 61.0
+  assert s.trainers()[0].stalled
+  ended = s.end("w-1")
+  assert ended.stalled == begun and ended.seen == begun + 60.0
+
+
+@pytest.mark.parametrize("name, budget, match", [
+    ("", 10.0, "1 to 64 printable"),
+    ("x" * 65, 10.0, "1 to 64 printable"),
+    ("a\nb", 10.0, "1 to 64 printable"),
+    (7, 10.0, "1 to 64 printable"),
+    ("eval", 0.0, "budget must be seconds in"),
+    ("eval", -5.0, "budget must be seconds in"),
+    ("eval", stall.MAX_BUDGET_S * 2, "budget must be seconds in"),
+    ("eval", float("nan"), "budget must be seconds in"),
+    ("eval", float("inf"), "budget must be seconds in"),
+    ("eval", True, "budget must be seconds in"),
+    ("eval", "60", "budget must be seconds in"),
+    (stall.STARTUP, 10.0, "every trainer begins in"),
+], ids=["empty", "long", "newline", "int-name", "zero", "negative", "over-max", "nan", "inf",
+        "bool", "str", "startup"])
+def test_a_bad_phase_is_refused(name, budget, match):
+  with pytest.raises(ValueError, match=match):
+    stall.Phase(name, budget)
+  with pytest.raises(ValueError, match=match):
+    stall.Phase.from_dict({"op": stall.OP, "name": name, "budget_s": budget})
+
+
+def test_a_phase_crosses_as_its_frame():
+  begins = stall.Phase("eval", 90.0)
+  assert stall.Phase.from_dict(begins.to_dict()) == begins
+  assert stall.Phase.from_dict(stall.Phase("eval").to_dict()).ends

@@ -1,0 +1,80 @@
+"""A trainer process's startup, as its sidecars' stall rule needs it: when it ends.
+
+The sidecar times a trainer from its first *completed* step (``core/stall.py``), which only
+the trainer can tell: its feed's first batch is taken before the first step's ``jit``
+compile, and a device-prefetch thread takes several more. :class:`Startup` counts the
+batches the trainer's own thread takes (``Feed.__next__``'s return) and, at the second
+(step 1 is done), tells each sidecar this process maps that :data:`stall.STARTUP` ended
+(``Worker.tell``): one frame per sidecar, once per Controller. A long phase later
+(``Controller.phase``) is told the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from typing import Protocol
+
+from sidecar._src.core import errors, stall
+
+log = logging.getLogger(__name__)
+
+
+class Told(Protocol):
+  """What a phase is told to: a Worker (``arena/worker.py``)."""
+
+  def tell(self, phase: stall.Phase) -> bool: ...
+
+
+class Startup:
+  """Ends this process's startup at its second batch taken; then :meth:`batch` only adds.
+
+  Args:
+    workers: the Workers this process maps now (each one's sidecar is told).
+    then: called with each batch's ``(blocked_s, now)`` after (the goodput ledger's).
+  """
+
+  def __init__(self, workers: Callable[[], Iterable[Told]],
+               then: Callable[[float, float], None] | None = None):
+    self._workers, self._then = workers, then
+    self.batches = 0
+
+  def batch(self, blocked_s: float, now: float) -> None:
+    """A batch was taken in the trainer's thread (``Feed``'s ``on_batch``)."""
+    self.batches += 1
+    if self.batches == 2:
+      tell(self._workers(), stall.Phase(stall.STARTUP))
+    if self._then is not None:
+      self._then(blocked_s, now)
+
+
+def tell(workers: Iterable[Told], phase: stall.Phase) -> None:
+  """Tells each of ``workers`` ``phase``; one that cannot be told is logged (the stall
+  rule then does not know: never worth failing a step for)."""
+  for w in workers:
+    try:
+      told = w.tell(phase)
+    except Exception as e:  # noqa: BLE001 - a lost sidecar is the health watch's to say
+      told, why = False, f"{type(e).__name__}: {e}"
+    else:
+      why = "its socket was busy for a second, or its sidecar is gone"
+    if not told:
+      log.log(logging.DEBUG if phase.name == stall.CLOSE else logging.WARNING,
+              "the stall rule of %r was not told that phase %r %s (%s)", w, phase.name,
+              "ends" if phase.ends else f"begins (budget {phase.budget_s:g} s)", why)
+
+
+@contextlib.contextmanager
+def phase(workers: Callable[[], Iterable[Told]], name: str, budget_s: float
+          ) -> Iterator[None]:
+  """Phase ``name`` with ``budget_s`` seconds without a step, told to ``workers``."""
+  try:
+    begins = stall.Phase(name, budget_s)
+  except ValueError as e:
+    raise errors.InvalidArgumentError(str(e)) from None
+  tell(workers(), begins)
+  try:
+    yield
+  finally:
+    tell(workers(), stall.Phase(name))

@@ -1,0 +1,127 @@
+"""``sidecar launch``'s watchdog signals only processes the launcher started (issue 69): a
+stall a sidecar lists with a pid outside the process group of the trainer the launcher
+started for that rank (another process, a negative pid naming a group, 0, an impossible
+pid, another user's process) is said once and never acted on; the trainer's own pid is,
+after one more look. Real processes; the sidecar's Status is faked at the one seam the
+watchdog reads (its last listing, ``refresh``), and the signals it sends are recorded
+(one to a pid <= 0 is never let through: see ``signals``)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from sidecar._src.tools import trainers, watchdog
+from sidecar._src.wire.protocol import pb
+
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(60)]
+
+
+@pytest.fixture
+def processes():
+  """Two processes, each leading its own session and process group (as a trainer that
+  ``sidecar launch`` started): the trainer, and an unrelated one."""
+  made = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                           start_new_session=True) for _ in range(2)]
+  yield made
+  for p in made:
+    p.kill()
+    p.wait()
+
+
+@pytest.fixture(autouse=True)
+def signals(monkeypatch):
+  """Every signal the watchdog sends, recorded; one to a pid <= 0 (a process group, or
+  every process this user may signal: as root, the machine's) is never let through, so
+  that a regression of the rule fails here instead of killing the test run."""
+  sent = []
+
+  def kill(pid, sig):
+    sent.append((pid, sig))
+    if pid <= 0:
+      raise PermissionError(f"the test refuses to signal pid {pid}")
+    real_kill(pid, sig)
+
+  def killpg(pgid, sig):
+    sent.append((-pgid, sig))
+    if pgid <= 0:
+      raise PermissionError(f"the test refuses to signal group {pgid}")
+    real_killpg(pgid, sig)
+
+  real_kill, real_killpg = os.kill, os.killpg
+  monkeypatch.setattr(watchdog.os, "kill", kill)
+  monkeypatch.setattr(trainers.os, "killpg", killpg)
+  return sent
+
+
+def _stalled(pid: int) -> pb.TrainerStatus:
+  return pb.TrainerStatus(pid=pid, rank=0, restart=0, steps=5, since_step_s=30.0,
+                          stall_timeout_s=10.0, stalled=True)
+
+
+class Listed(watchdog.Watchdog):
+  """A watchdog whose sidecar lists ``first``, then ``again`` at the next look."""
+
+  def __init__(self, first, again=None):
+    self.said: list[str] = []
+    super().__init__(lambda: {}, token=None, say=self.said.append)
+    self._latest[0] = [first]
+    self._again = again
+
+  def refresh(self) -> None:
+    if self._again is not None:
+      self._latest[0] = [self._again]
+
+
+def _other_users_pid() -> int | None:
+  for name in os.listdir("/proc"):
+    if name.isdigit() and os.stat(f"/proc/{name}").st_uid != os.getuid():
+      return int(name)
+  return None
+
+
+@pytest.mark.parametrize("claim", ["unrelated", "minus-unrelated-group", "zero", "minus-one",
+                                   "2**40", "the-launcher", "other-user"])
+def test_a_stall_listed_with_a_pid_the_launcher_did_not_start_signals_nothing(
+    processes, signals, claim):
+  trainer, unrelated = processes
+  pid = {"unrelated": unrelated.pid, "minus-unrelated-group": -unrelated.pid, "zero": 0,
+         "minus-one": -1, "2**40": 2**40, "the-launcher": os.getpid(),
+         "other-user": _other_users_pid()}[claim]
+  if pid is None:
+    pytest.skip("no process of another user here")
+  dog = Listed(_stalled(pid))
+  assert dog.check({0: trainer}, 0) is None
+  assert dog.check({0: trainer}, 0) is None  # and said once
+  assert dog.said == [
+      f"host 0 lists rank 0 stalled with pid {pid}, which is not in the process group of "
+      f"the trainer this launcher started for it ({trainer.pid}); signalling nothing"]
+  assert trainer.poll() is None and unrelated.poll() is None
+  # Asked to kill it all the same (sidecar slurm's watch_one): nothing is signalled.
+  stall = watchdog.Stall(0, 0, pid, 30.0, 10.0, 0)
+  assert not dog.kill(stall, trainer.pid)
+  assert trainer.poll() is None and unrelated.poll() is None
+  assert signals == []
+
+
+def test_the_trainers_own_stall_is_killed_after_one_more_look(processes, signals):
+  trainer, unrelated = processes
+  dog = Listed(_stalled(trainer.pid))
+  found = dog.check({0: trainer}, 0)
+  assert found is not None and found.pid == trainer.pid
+  assert trainer.wait(timeout=10) == -9 and unrelated.poll() is None
+  assert signals[-1] == (-trainer.pid, 9)  # its own group, and no other
+  assert "then it is killed if it is still stalled" in dog.said[0]
+
+
+def test_a_trainer_that_stepped_during_its_stacks_is_spared(processes, signals):
+  trainer, _ = processes
+  moved = pb.TrainerStatus(pid=trainer.pid, rank=0, restart=0, steps=6, since_step_s=0.4,
+                           stall_timeout_s=10.0, stalled=False)
+  dog = Listed(_stalled(trainer.pid), again=moved)
+  assert dog.check({0: trainer}, 0) is None
+  assert trainer.poll() is None
+  assert dog.said[-1] == ("host 0 rank 0 stepped while its stacks were written (its last "
+                          "step 0.4 s ago); not killing it")
+  assert all(sig != 9 for _, sig in signals)

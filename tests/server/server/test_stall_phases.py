@@ -1,0 +1,83 @@
+"""Tier 2: what a trainer tells its sidecar's stall rule (core/stall.py) over the worker
+socket, seen in ``Status.trainers``: a long phase's budget (``Controller.phase``,
+``Worker.phase``), the end of its startup, and a malformed phase frame refused."""
+
+import pytest
+
+import sidecar
+from sidecar._src.controller import startup, status as status_lib
+from sidecar._src.core import stall
+from sidecar._src.wire import ipc
+
+pytestmark = pytest.mark.server
+FLOOR_S = 30.0
+
+
+def _trainer(address: str):
+  [t] = status_lib.fetch(address, timeout=10).trainers
+  return t
+
+
+def test_a_long_phase_has_its_budget_in_status_while_it_lasts(make_server):
+  server = make_server(stall_timeout_s=FLOOR_S)
+  with sidecar.jax.Controller([server.address]) as ctl:
+    t = _trainer(server.address)
+    assert t.since_step_s == -1 and t.stall_timeout_s == FLOOR_S  # its startup: untimed
+    ctl.worker(0).tell(stall.Phase(stall.STARTUP))  # as its feed's second batch does
+    ctl.worker(0).check_alive()  # a request after the frame: the frame was handled
+    assert _trainer(server.address).since_step_s >= 0
+    with ctl.phase("eval", budget_s=600):
+      ctl.worker(0).check_alive()
+      assert _trainer(server.address).stall_timeout_s == 600
+      with ctl.worker(0).phase("restore", budget_s=900):
+        ctl.worker(0).check_alive()
+        assert _trainer(server.address).stall_timeout_s == 900
+    ctl.worker(0).check_alive()
+    t = _trainer(server.address)
+    assert t.stall_timeout_s == FLOOR_S and not t.stalled and t.slowest_step_s == 0
+
+
+@pytest.mark.parametrize("name, budget", [("", 60), ("eval", 0), ("eval", 1e9),
+                                          ("eval", float("nan")), (stall.STARTUP, 60)],
+                         ids=["no-name", "zero", "over-max", "nan", "startup"])
+def test_a_bad_phase_is_refused_before_it_is_sent(make_server, name, budget):
+  server = make_server(stall_timeout_s=FLOOR_S)
+  with sidecar.jax.Controller([server.address]) as ctl:
+    with pytest.raises(sidecar.InvalidArgumentError, match="phase"):
+      with ctl.phase(name, budget_s=budget):
+        pass
+    with pytest.raises(sidecar.InvalidArgumentError, match="phase"):
+      with ctl.worker(0).phase(name, budget_s=budget):
+        pass
+
+
+def test_a_malformed_phase_frame_is_refused_and_the_session_goes_on(make_server):
+  server = make_server(stall_timeout_s=FLOOR_S)
+  with sidecar.jax.Controller([server.address]) as ctl:
+    w = ctl.worker(0)
+    for frame in ({"op": stall.OP, "name": "eval", "budget_s": 1e12},
+                  {"op": stall.OP, "name": ["x"], "budget_s": 60},
+                  {"op": stall.OP}):
+      with w._lock:
+        ipc.send(w._sock, frame)
+    w.check_alive()  # answered: the connection stands
+    assert _trainer(server.address).stall_timeout_s == FLOOR_S
+
+
+class Told:
+  def __init__(self):
+    self.phases = []
+
+  def tell(self, phase):
+    self.phases.append(phase)
+    return True
+
+
+def test_the_startup_ends_at_the_second_batch_taken_and_is_told_once():
+  told, ledger = Told(), []
+  s = startup.Startup(lambda: [told], then=lambda b, n: ledger.append(b))
+  s.batch(0.1, 1.0)  # taken before the first step's compile
+  assert told.phases == []
+  s.batch(0.0, 2.0)
+  s.batch(0.0, 3.0)
+  assert told.phases == [stall.Phase(stall.STARTUP)] and ledger == [0.1, 0.0, 0.0]
