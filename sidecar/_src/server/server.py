@@ -47,7 +47,7 @@ from sidecar._src.server.limits import (
 from sidecar._src.server.pool import departures as departures_lib, pool_file
 from sidecar._src.server.pool.tenant_checks import TenantCalls, TenantCheckpoints
 from sidecar._src.server.service import Service
-from sidecar._src.server.tenancy import tenants as tenants_lib
+from sidecar._src.server.tenancy import quotas as quotas_lib, tenants as tenants_lib
 from sidecar._src.server.workers.workers import WorkerListener
 from sidecar._src.user import registry as registry_lib
 from sidecar._src.wire import ipc, protocol
@@ -198,7 +198,8 @@ class Server:
         self.checkpoints.check_client(tenant or "", directory, "directory")
       return resolved
     self.ledgers = ledgers_lib.Ledgers(ledger_directory,
-                                       check_storage=self.checkpoints.check_storage)
+                                       check_storage=self.checkpoints.check_storage,
+                                       bound=self._ledger_bound)
     self.workers = WorkerListener(o.socket_path, self.arenas, self.leases, self._worker_hello,
                                   self.stream_runner, calls=calls,
                                   call_bytes=o.max_message_size,
@@ -425,6 +426,20 @@ class Server:
     if not bound:
       raise OSError(f"cannot listen on {target} ({reason}); pick another {flag}")
     return bound
+
+  def _ledger_bound(self, tenant: str | None) -> ledgers_lib.Bound:
+    """What ``tenant``'s sessions may append to their goodput ledgers: its pool file's
+    ``ledger_bytes_per_s`` and ``ledger_burst_bytes``, each else the sidecar's default."""
+    t = self.tenancy.tenant(tenant)
+    rate = None if t is None else quotas_lib.LEDGER_BYTES_PER_S.of(t)
+    burst = None if t is None else quotas_lib.LEDGER_BURST_BYTES.of(t)
+    if t is None or (rate is None and burst is None):
+      return ledgers_lib.DEFAULT
+    given = ", ".join(f"{q.key}={q.of(t)}" for q in (
+        quotas_lib.LEDGER_BYTES_PER_S, quotas_lib.LEDGER_BURST_BYTES) if q.of(t) is not None)
+    return ledgers_lib.Bound(burst=ledgers_lib.BURST_BYTES if burst is None else burst,
+                             rate=ledgers_lib.RATE_BYTES_S if rate is None else rate,
+                             why=f"{given}, {self.tenancy.where(t.name)}")
 
   def _worker_hello(self, message: dict) -> dict:
     theirs = pb.Versions(**{k: v for k, v in (message.get("versions") or {}).items()

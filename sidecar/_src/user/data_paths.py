@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import contextvars
 import dataclasses
 import errno
 import fnmatch
@@ -39,6 +40,7 @@ import stat
 import tempfile
 import threading
 import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from sidecar._src.core import beneath, errors
@@ -52,6 +54,24 @@ MAX_VIEW_ENTRIES = 10_000
 # matches; past either it is refused rather than walked.
 MAX_GLOB_DIRS = 10_000
 MAX_GLOB_MATCHES = 100_000
+# A pool glob asks whether its caller is still there at its first directory and after each
+# this many more (``while_alive``).
+ALIVE_EVERY_DIRS = 64
+# Whether the caller of what runs now is still there (``while_alive``); None: not asked.
+_ALIVE: contextvars.ContextVar[Callable[[], bool] | None] = contextvars.ContextVar(
+    "sidecar_data_paths_alive", default=None)
+
+
+@contextlib.contextmanager
+def while_alive(alive: Callable[[], bool] | None) -> Iterator[None]:
+  """While the block runs (a feed's pipeline opening), a pool glob's walk stops once
+  ``alive()`` is false: ``ClosedError``, its caller (the feed's client) gone. None: it is
+  never asked."""
+  token = _ALIVE.set(alive)
+  try:
+    yield
+  finally:
+    _ALIVE.reset(token)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -477,7 +497,8 @@ class DataPath:
     """The files beneath ``root`` that the components ``parts`` match, level by level.
     Bounded whatever the tree holds: each directory (by device and inode) is listed once
     in a walk, so a symlink loop (``a -> .``) ends it, and past ``MAX_GLOB_DIRS``
-    directories listed or ``MAX_GLOB_MATCHES`` matches it is refused."""
+    directories listed or ``MAX_GLOB_MATCHES`` matches it is refused. Within
+    :func:`while_alive`, it stops (``ClosedError``) once its caller is gone."""
     prefixes: list[list[str]] = [[]]
     seen: set[tuple[int, int]] = set()
     matched = 0
@@ -516,6 +537,11 @@ class DataPath:
       seen.add((st.st_dev, st.st_ino))
       if len(seen) > MAX_GLOB_DIRS:
         raise self._too_big(f"walks more than {MAX_GLOB_DIRS} directories")
+      alive = _ALIVE.get()
+      if alive is not None and (len(seen) - 1) % ALIVE_EVERY_DIRS == 0 and not alive():
+        raise errors.ClosedError(
+            f"the glob {self._path!r:.300} stopped after {len(seen)} directories: the "
+            "feed's client is gone")
       names = os.listdir(fd)
     finally:
       os.close(fd)

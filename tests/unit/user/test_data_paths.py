@@ -352,3 +352,28 @@ def test_open_files_cross_to_a_feed_worker():
   roots = DataRoots(roots=("/data/bob",), tenant="bob", open_files=7,
                     open_files_why="open_files=7, pool.yaml:3")
   assert DataRoots.from_dict(roots.to_dict()) == roots
+
+
+def test_a_glob_stops_when_its_caller_goes(tree, how):
+  """A pool glob asks whether its caller (the feed's client) is still there at its first
+  directory and every ``ALIVE_EVERY_DIRS`` after: once gone, it stops, typed (issue 70,
+  item 2); before, it listed all its directories for nobody."""
+  from sidecar._src.user import data_paths
+  bob = tree / "bob"
+  for i in range(200):
+    (bob / "many" / f"d{i:03}").mkdir(parents=True)
+    (bob / "many" / f"d{i:03}" / "x.bin").write_bytes(MINE)
+  pattern = f"{bob}/many/*/*.bin"
+  asked = []
+
+  def alive():
+    asked.append(1)
+    return len(asked) < 3  # gone at its third question
+
+  with data_paths.while_alive(alive), pytest.raises(
+      sidecar.ClosedError, match=r"stopped after 129 directories: the feed's client is gone"):
+    _ctx(tree).data_path(pattern).expand()
+  assert len(asked) == 3  # at directories 1, 65 and 129 of 201
+  with data_paths.while_alive(lambda: True):
+    assert len(_ctx(tree).data_path(pattern).expand()) == 200
+  assert len(_ctx(tree).data_path(pattern).expand()) == 200  # nobody asks outside a feed

@@ -140,7 +140,7 @@ class StreamRunner:
     roots = self._tenancy.data_roots(tenant)  # in a pool, its files only beneath these
     if spec.length_only:
       if credits.take():
-        state = {"length": producer.length(entry, kwargs, spec, roots)}
+        state = {"length": producer.length(entry, kwargs, spec, roots, alive)}
         yield pb.StreamItem(batch=pb.FeedBatch(structure=codec.encode(None),
                                                state_json=json.dumps(state)))
       return
@@ -158,7 +158,8 @@ class StreamRunner:
 
     check = functools.partial(blocks.check_batch, name=request.name,
                               prefetch=credits.prefetch)
-    batches = producer.produce(entry, kwargs, spec, blocks.alloc, make_workers, check, roots)
+    batches = producer.produce(entry, kwargs, spec, blocks.alloc, make_workers, check, roots,
+                               alive)
     status = pb.FeedStatus(pipeline=request.name, workers=spec.workers)
     try:
       with self._tenancy.feeding(tenant, spec.workers), self._book.feeding(

@@ -42,6 +42,8 @@ Alloc = Callable[[tuple[int, ...], np.dtype], np.ndarray]
 # Told a batch's block sizes once the first element gave them; raises where one batch can
 # never fit (``arena_io.BatchBlocks.check_batch``).
 Check = Callable[[list[int]], None]
+# Whether the feed's client is still there (a stream's ``alive``).
+Alive = Callable[[], bool]
 # A grain.MapDataset. Grain (which brings JAX, Orbax and TensorStore) is never imported
 # here: a pipeline that returns one has imported it, and a sidecar that serves none
 # starts without it.
@@ -130,12 +132,14 @@ def epoch_seed(seed: int, epoch: int) -> int:
 
 
 def open_source(entry: registry_lib.Entry, kwargs: dict, spec: Spec, epoch: int,
-                position: int, roots: data_paths.DataRoots = data_paths.ANYWHERE) -> Any:
+                position: int, roots: data_paths.DataRoots = data_paths.ANYWHERE,
+                alive: Alive | None = None) -> Any:
   """What the pipeline returns for this shard at ``(epoch, position)``; its files only
-  beneath ``roots`` (its tenant's data roots, in a pool)."""
+  beneath ``roots`` (its tenant's data roots, in a pool); a glob it walks stops once
+  ``alive()`` is false (its feed's client gone: ``data_paths.while_alive``)."""
   ctx = PipelineContext(shard_index=spec.shard_index, shard_count=spec.shard_count,
                         seed=spec.seed, epoch=epoch, position=position, data_roots=roots)
-  with allowing(roots):
+  with allowing(roots), data_paths.while_alive(alive):
     return entry.fn(ctx, **kwargs)
 
 
@@ -319,10 +323,11 @@ def map_steps(n: int, spec: Spec) -> Iterator[tuple[int, int]]:
 
 
 def length(entry: registry_lib.Entry, kwargs: dict, spec: Spec,
-           roots: data_paths.DataRoots = data_paths.ANYWHERE) -> int | None:
+           roots: data_paths.DataRoots = data_paths.ANYWHERE,
+           alive: Alive | None = None) -> int | None:
   """Global batches of the feed from its start state to its end: known for a
   ``grain.MapDataset`` read for ``num_epochs``, else None (an iterable, or forever)."""
-  source = open_source(entry, kwargs, spec, 0, 0, roots)
+  source = open_source(entry, kwargs, spec, 0, 0, roots, alive)
   if not _is_map_dataset(source):
     return None
   _check_map(source, entry.name, spec)
@@ -333,17 +338,18 @@ def length(entry: registry_lib.Entry, kwargs: dict, spec: Spec,
 
 def produce(entry: registry_lib.Entry, kwargs: dict, spec: Spec, alloc: Alloc,
             make_workers: Callable[[], Any] | None = None, check: Check | None = None,
-            roots: data_paths.DataRoots = data_paths.ANYWHERE
+            roots: data_paths.DataRoots = data_paths.ANYWHERE, alive: Alive | None = None
             ) -> Generator[tuple[Batch, dict[str, Any], float], None, None]:
   """Yields ``(batch, state after it, seconds spent producing it)`` per step.
 
   With ``spec.workers``, ``make_workers()`` makes the worker processes that fill batches.
   ``check`` is told a batch's block sizes once known, before any is allocated. The
-  pipeline reads files only beneath ``roots`` (each time it is opened).
+  pipeline reads files only beneath ``roots`` (each time it is opened), and a glob it
+  walks as it opens stops once ``alive()`` is false (its feed's client gone).
   """
-  data = data_identity(entry, kwargs, spec, roots)
+  data = data_identity(entry, kwargs, spec, roots, alive)
   first = open_source(entry, kwargs, spec, int(spec.start.get("epoch", 0)),
-                      int(spec.start.get("position", 0)), roots)
+                      int(spec.start.get("position", 0)), roots, alive)
   if _is_map_dataset(first):
     if spec.workers:
       made = _from_map_workers(first, entry.name, spec, alloc, make_workers, check)
@@ -354,7 +360,7 @@ def produce(entry: registry_lib.Entry, kwargs: dict, spec: Spec, alloc: Alloc,
         f"pipeline {entry.name!r} returns a plain iterable; workers=N needs random access: "
         "return a grain.MapDataset, or use workers=0")
   else:
-    made = _from_iterable(first, entry, kwargs, spec, alloc, check, roots)
+    made = _from_iterable(first, entry, kwargs, spec, alloc, check, roots, alive)
   if data is None:
     yield from made
     return
@@ -363,7 +369,8 @@ def produce(entry: registry_lib.Entry, kwargs: dict, spec: Spec, alloc: Alloc,
 
 
 def data_identity(entry: registry_lib.Entry, kwargs: dict, spec: Spec,
-                  roots: data_paths.DataRoots = data_paths.ANYWHERE) -> str | None:
+                  roots: data_paths.DataRoots = data_paths.ANYWHERE,
+                  alive: Alive | None = None) -> str | None:
   """What names the data the pipeline reads (``@sidecar.pipeline(identity=...)``), checked
   against the state the feed resumes from: InvalidArgumentError naming both where that
   state was made from other data. None where the pipeline names none. The identity is
@@ -374,7 +381,7 @@ def data_identity(entry: registry_lib.Entry, kwargs: dict, spec: Spec,
   ctx = PipelineContext(shard_index=spec.shard_index, shard_count=spec.shard_count,
                         seed=spec.seed, epoch=int(spec.start.get("epoch", 0)),
                         position=int(spec.start.get("position", 0)), data_roots=roots)
-  with allowing(roots):
+  with allowing(roots), data_paths.while_alive(alive):
     data = str(entry.identity(ctx, **kwargs))
   made_from = spec.start.get("data")
   if made_from is not None and made_from != data:
@@ -447,7 +454,8 @@ def _from_map_workers(ds: MapDataset, name: str, spec: Spec, alloc: Alloc, make_
 
 def _from_iterable(source: Any, entry: registry_lib.Entry, kwargs: dict, spec: Spec,
                    alloc: Alloc, check: Check | None = None,
-                   roots: data_paths.DataRoots = data_paths.ANYWHERE):
+                   roots: data_paths.DataRoots = data_paths.ANYWHERE,
+                   alive: Alive | None = None):
   _check_kind(spec, "iter", entry.name)
   epoch, position = int(spec.start.get("epoch", 0)), int(spec.start.get("position", 0))
   batcher = Batcher(spec, alloc, entry.name, check)
@@ -476,7 +484,7 @@ def _from_iterable(source: Any, entry: registry_lib.Entry, kwargs: dict, spec: S
           "global_batch_size or give every shard more data")
     epoch, position = epoch + 1, 0
     if spec.num_epochs is None or epoch < spec.num_epochs:
-      source = open_source(entry, kwargs, spec, epoch, 0, roots)
+      source = open_source(entry, kwargs, spec, epoch, 0, roots, alive)
 
 
 def _fill(batcher: Batcher, iterator: Iterator[Any], rows: int, spare: Any) -> tuple[Any, Any]:

@@ -21,7 +21,9 @@ What a frame may do is bounded, whoever sends it (docs/goodput.md, "The bound"):
   with the next other event or the session's end;
 - a tenant's appends, all its sessions together, pass one token bucket of
   :data:`BURST_BYTES` and :data:`RATE_BYTES_S` (a session costs nothing to open, so a
-  bucket per session bounded nothing: issue 70, item 6), and, for a pool tenant with
+  bucket per session bounded nothing: issue 70, item 6), or of a pool tenant's
+  ``ledger_burst_bytes`` and ``ledger_bytes_per_s`` (its :class:`Bound`), and, for a pool
+  tenant with
   ``checkpoint_bytes``, its storage quota before they are written (the ledger's file is
   in its directory, and counted). What a session's end must write (its held mark, its
   ``died``) goes whatever the bucket holds and is owed: the tenant's next frames wait
@@ -56,8 +58,8 @@ MAX_JOBS = 4  # ledgers of one tenant kept in memory for /metrics (the latest bo
 SKEW_S = 10.0  # how far a trainer's time stamps may be off this sidecar's clock
 MAX_STARTUP_S = 3600.0  # how long before its session attached a process may have started
 MARK_EVERY_S = 10.0  # a session's marks are written at most this often
-BURST_BYTES = 64 << 10  # a session's appends: this many bytes at once,
-RATE_BYTES_S = 4 << 10  # and this many a second on average
+BURST_BYTES = 64 << 10  # a tenant's appends: this many bytes at once,
+RATE_BYTES_S = 4 << 10  # and this many a second on average (a pool file's tenant: its own)
 _WARN_EVERY_S = 10.0  # a session's refused frames are logged at most this often
 
 Check = Callable[[str | None, str, int], None]
@@ -71,17 +73,30 @@ class Figures:
   ledger: goodput_lib.Ledger
 
 
-class _Bucket:
-  """What one tenant may append to its ledgers: :data:`BURST_BYTES` at once and
-  :data:`RATE_BYTES_S` on average, all its sessions together."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class Bound:
+  """What one tenant may append to its ledgers, all its sessions together: ``burst``
+  bytes at once and ``rate`` a second on average; ``why``: what sets it, for messages
+  (a pool file's keys and line, or the sidecar's default)."""
+  burst: int = BURST_BYTES
+  rate: int = RATE_BYTES_S
+  why: str = "the sidecar's default"
 
-  def __init__(self, now: float):
-    self.tokens, self.filled = float(BURST_BYTES), now
+
+DEFAULT = Bound()
+
+
+class _Bucket:
+  """One tenant's :class:`Bound` as a token bucket, all its sessions together."""
+
+  def __init__(self, now: float, bound: Bound):
+    self.bound = bound
+    self.tokens, self.filled = float(bound.burst), now
 
   def take(self, nbytes: int, now: float, *, force: bool = False) -> bool:
     """Whether ``nbytes`` more may be written now (taken from the bucket if so);
     ``force``: taken whatever it holds (a session's end), owed below zero."""
-    self.tokens = min(BURST_BYTES, self.tokens + (now - self.filled) * RATE_BYTES_S)
+    self.tokens = min(self.bound.burst, self.tokens + (now - self.filled) * self.bound.rate)
     self.filled = now
     if nbytes > self.tokens and not force:
       return False
@@ -90,7 +105,7 @@ class _Bucket:
 
   def owes(self, now: float) -> bool:
     """Whether it is in debt (a session's end wrote past it): nothing more goes yet."""
-    return self.tokens + (now - self.filled) * RATE_BYTES_S < 0
+    return self.tokens + (now - self.filled) * self.bound.rate < 0
 
 
 class _Book:
@@ -117,14 +132,19 @@ class Ledgers:
     check_storage: ``check_storage(tenant, directory, nbytes)`` raises
       ResourceExhaustedError where ``nbytes`` more in ``directory`` would pass the
       tenant's storage quota (``Checkpoints.check_storage``); default: no quota.
+    bound: ``bound(tenant)`` -> what the tenant may append (a pool file's keys, read at
+      each frame: a reload's new values hold at once); default: :data:`DEFAULT`.
     clock: Unix seconds (a died event's time, and the check of a frame's times).
     monotonic: the bucket's and the marks' clock.
   """
 
   def __init__(self, resolve: Callable[[str, str | None], str], *,
-               check_storage: Check | None = None, clock: Callable[[], float] = time.time,
+               check_storage: Check | None = None,
+               bound: Callable[[str | None], Bound] | None = None,
+               clock: Callable[[], float] = time.time,
                monotonic: Callable[[], float] = time.monotonic):
     self._resolve = resolve
+    self._bound = bound or (lambda tenant: DEFAULT)
     self._check_storage = check_storage or (lambda tenant, directory, nbytes: None)
     self._clock, self._monotonic = clock, monotonic
     self._lock = threading.Lock()
@@ -164,9 +184,10 @@ class Ledgers:
             "goodput: no ledger is bound to this session; the first message names the "
             "checkpoint directory")
       self._check_times(events, book, attached)
-      bucket = self._buckets.get(tenant)
-      if bucket is not None and bucket.owes(self._monotonic()):
-        raise self._too_fast(tenant, book.directory if book is not None else directory)
+      bucket = self._bucket(tenant)
+      if bucket.owes(self._monotonic()):
+        raise self._too_fast(tenant, book.directory if book is not None else directory,
+                             bucket.bound)
       if book is None:
         book = self._bind(session, directory, tenant)
       for event in events:
@@ -224,10 +245,7 @@ class Ledgers:
     except OSError:
       os.close(fd)
       raise
-    bucket = self._buckets.get(tenant)
-    if bucket is None:
-      bucket = self._buckets[tenant] = _Bucket(self._monotonic())
-    book = self._books[session] = _Book(resolved, fd, tenant, bucket, torn=torn)
+    book = self._books[session] = _Book(resolved, fd, tenant, self._bucket(tenant), torn=torn)
     jobs = self._jobs.setdefault(tenant, collections.OrderedDict())
     if resolved in jobs:
       jobs.move_to_end(resolved)
@@ -242,6 +260,17 @@ class Ledgers:
     log.info("goodput: worker session %s records to %s", session, path,
              extra={"session": session})
     return book
+
+  def _bucket(self, tenant: str | None) -> _Bucket:
+    """``tenant``'s bucket, held to its bound in force; the lock is held."""
+    bound = self._bound(tenant)
+    bucket = self._buckets.get(tenant)
+    if bucket is None:
+      bucket = self._buckets[tenant] = _Bucket(self._monotonic(), bound)
+    elif bucket.bound != bound:  # a reload changed it: what it holds fits the new one
+      bucket.take(0, self._monotonic())
+      bucket.bound, bucket.tokens = bound, min(bucket.tokens, float(bound.burst))
+    return bucket
 
   def _append(self, book: _Book, events: list[goodput_lib.Event], *,
               force: bool = False) -> None:
@@ -264,7 +293,7 @@ class Ledgers:
       return
     data = (b"\n" if book.torn else b"") + b"".join(e.line() for e in out)
     if not book.bucket.take(len(data), now, force=force):
-      raise self._too_fast(book.tenant, book.directory)
+      raise self._too_fast(book.tenant, book.directory, book.bucket.bound)
     self._check_storage(book.tenant, book.directory, len(data))
     book.torn = True  # until the write is whole
     view = memoryview(data)
@@ -280,12 +309,15 @@ class Ledgers:
       _keep(job, out)
 
   @staticmethod
-  def _too_fast(tenant: str | None, directory: Any) -> errors.ResourceExhaustedError:
+  def _too_fast(tenant: str | None, directory: Any, bound: Bound
+                ) -> errors.ResourceExhaustedError:
     whose = f"tenant {tenant!r}'s sessions append" if tenant else "this sidecar's sessions append"
     return errors.ResourceExhaustedError(
         f"goodput: {whose} to their ledgers (this one in {directory!r:.200}) faster than "
-        f"{RATE_BYTES_S} bytes/s together (bursts of {BURST_BYTES}); the sidecar library "
-        "writes far less: is this trainer's ledger client its own?")
+        f"{bound.rate} bytes/s together (bursts of {bound.burst}; {bound.why}); the sidecar "
+        "library writes far less: is this trainer's ledger client its own? (A pool's "
+        "operator may raise a tenant's ledger_bytes_per_s and ledger_burst_bytes in the "
+        "pool file.)")
 
   def refused(self, session: str) -> bool:
     """Whether a refusal of ``session``'s frame should be logged now (at most every

@@ -313,11 +313,17 @@ RAM_KEEP = Duration(key="ram_keep")
 RAM_TIER = ArenaShare(key="ram_tier", fix=", which holds the RAM tier; lower it")
 # Bytes its checkpoint directories may hold on a sidecar's storage.
 CHECKPOINT_BYTES = Size(key="checkpoint_bytes", least=MIN_ARENA, example="500GiB")
+# What its worker sessions append to their goodput ledgers, all together: bytes a second on
+# average, and at once; without them, the sidecar's (``goodput.ledgers.RATE_BYTES_S``,
+# ``BURST_BYTES``: 4 KiB/s, 64 KiB).
+LEDGER_BYTES_PER_S = Size(key="ledger_bytes_per_s", least=1 << 10, example="16KiB")
+LEDGER_BURST_BYTES = Size(key="ledger_burst_bytes", least=4 << 10, example="256KiB")
 
 # Every quota a pool file's tenant may have, in the order the file's keys are read.
 ALL: tuple[Quota, ...] = (ARENA, ARENA_CEILING, SESSIONS, CALLS, STREAMS, FEEDS, FEED_WORKERS,
                           OPEN_FILES,
-                          CONNECTIONS, INLINE_BYTES, RAM_KEEP, RAM_TIER, CHECKPOINT_BYTES)
+                          CONNECTIONS, INLINE_BYTES, RAM_KEEP, RAM_TIER, CHECKPOINT_BYTES,
+                          LEDGER_BYTES_PER_S, LEDGER_BURST_BYTES)
 BY_KEY: Mapping[str, Quota] = {q.key: q for q in ALL}
 # The parts of the arena, checked against its size once it is known (``Pool.check_arena``).
 ARENA_SHARES: tuple[ArenaShare, ...] = tuple(q for q in ALL if isinstance(q, ArenaShare))

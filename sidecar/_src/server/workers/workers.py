@@ -319,7 +319,8 @@ class WorkerListener:
       if held >= limit[0]:
         raise errors.ResourceExhaustedError(
             f"tenant {tenant!r} holds {held} connections to the worker socket, its quota "
-            f"({limit[1]}); close Workers and streams that are done")
+            f"({limit[1]}); close Workers and streams that are done, or ask the pool's "
+            "operator to raise its connections in the pool file")
       self._by_tenant[tenant] = held + 1
     try:
       yield

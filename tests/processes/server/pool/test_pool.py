@@ -6,6 +6,7 @@ its next call says so (issue 37).
 """
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -24,6 +25,7 @@ from sidecar._src.core import env as env_lib
 from sidecar._src.wire import protocol
 from sidecar._src.wire.protocol import pb
 from tests.conftest import eventually
+from tests.support.pool_files import ALICE, write_pool
 
 pytestmark = pytest.mark.processes
 
@@ -238,3 +240,56 @@ def test_serve_refuses_a_bad_pool_file_naming_its_line(tmp_path):
       env={k: v for k, v in os.environ.items() if not k.startswith("SIDECAR_")})
   assert done.returncode == 2
   assert f"sidecar serve: {path}:2: unknown key 'quota' in a tenant (line 2)" in done.stderr
+
+
+CONNECTIONS_POOL = """\
+tenants:
+  - {name: alice, token_file: alice.token, connections: 3}
+  - {name: bob, token_file: bob.token}
+"""
+
+_HOLDING_WORKER = """\
+import sys
+from sidecar._src.arena.worker import Worker
+worker = Worker(sys.argv[1], token=sys.argv[2])
+print(worker.session, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_tenant_s_worker_sessions_are_its_connections_given_back_as_each_ends(
+    make_server, tmp_path):
+  """Issue 70: worker sessions need no quota of their own: each is one worker-socket
+  connection while it lives, counted against its tenant's ``connections`` (here 3), refused
+  past it naming the tenant, the limit, its pool.yaml line and the fix, and given back when
+  its socket closes, a worker killed with SIGKILL included."""
+  pool_server = make_server(pool=write_pool(tmp_path, CONNECTIONS_POOL))
+  socket_path = pool_server.options.socket_path
+  child = subprocess.Popen([sys.executable, "-c", _HOLDING_WORKER, socket_path, ALICE],
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+  alice = []
+  try:
+    assert child.stdout.readline().startswith("w-")  # attached: one of alice's 3
+    alice = [Worker(socket_path, token=ALICE) for _ in range(2)]
+    refusal = (r"tenant 'alice' holds 3 connections to the worker socket, its quota "
+               rf"\(connections=3, {pool_server.options.pool}:2\); close Workers and streams "
+               r"that are done, or ask the pool's operator to raise its connections in the "
+               r"pool file")
+    with pytest.raises(sidecar.ResourceExhaustedError, match=refusal):
+      Worker(socket_path, token=ALICE)
+    assert pool_server.workers.num_sessions() == 3
+    child.send_signal(signal.SIGKILL)
+    child.wait(30)
+    assert eventually(lambda: pool_server.workers.num_sessions() == 2, timeout=30)
+    alice.append(Worker(socket_path, token=ALICE))  # the killed worker's count came back
+    with pytest.raises(sidecar.ResourceExhaustedError, match=refusal):
+      Worker(socket_path, token=ALICE)
+    alice.pop().close()
+    assert eventually(lambda: pool_server.workers.num_sessions() == 2, timeout=30)
+    alice.append(Worker(socket_path, token=ALICE))  # and a closed one's
+  finally:
+    if child.poll() is None:
+      child.kill()
+      child.wait(30)
+    for w in alice:
+      w.close()

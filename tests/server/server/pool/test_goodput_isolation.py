@@ -86,3 +86,51 @@ def test_bobs_forged_frames_change_only_his_own_ledger(make_server, tmp_path):
              for name, labels in found if name.startswith("sidecar_goodput_"))
   assert str(tmp_path) not in page and os.path.realpath(tmp_path) not in page
   assert not any("pid" in dict(labels) for _, labels in found)
+
+
+LEDGER_POOL = """\
+tenants:
+  - {name: alice, token_file: alice.token, checkpoint_roots: [alice], ledger_burst_bytes: 1MiB}
+  - {name: bob, token_file: bob.token, checkpoint_roots: [bob], ledger_bytes_per_s: 1KiB,
+     ledger_burst_bytes: 8KiB}
+"""
+
+
+def _saves(n: int) -> list[dict]:
+  now = time.time()
+  life = f"3@{now:.3f}"
+  return [goodput.Event("start", life, now, goodput.Counters(), start=now, pid=3).to_dict()] + [
+      goodput.Event("save", life, now, goodput.Counters(), step=s).to_dict() for s in range(n)]
+
+
+def test_the_ledger_s_bound_is_each_tenant_s_pool_file_keys(make_server, tmp_path):
+  """Issue 70, item 6: the ledger's bound was the sidecar's constants (64 KiB at once,
+  4 KiB/s) for every tenant; a pool file's ledger_burst_bytes and ledger_bytes_per_s set
+  each tenant's, named with their line where a frame passes it."""
+  server = make_server(pool=write_pool(tmp_path, LEDGER_POOL))
+  for token, name in ((ALICE, "alice"), (BOB, "bob")):
+    directory = str(tmp_path / name / "run")
+    with controller(server, token) as ctl, ctl.checkpointer(directory):
+      worker = sidecar.jax.Worker(f"unix://{server.options.socket_path}", token=token)
+      try:
+        first = _saves(100)  # ~10 KiB: past bob's 8 KiB at once, within alice's 1 MiB
+        if name == "bob":
+          with pytest.raises(errors.ResourceExhaustedError,
+                             match=r"tenant 'bob''s sessions append .* faster than 1024 "
+                                   r"bytes/s together \(bursts of 8192; ledger_bytes_per_s="
+                                   r"1024, ledger_burst_bytes=8192, \S+pool.yaml:3\).*raise a "
+                                   r"tenant's ledger_bytes_per_s"):
+            worker.send_ledger({"op": "goodput", "directory": directory, "events": first},
+                               reply=True, wait=True)
+          continue
+        # alice: 8 frames of ~25 KiB (200 KiB), past the default 64 KiB at once.
+        worker.send_ledger({"op": "goodput", "directory": directory, "events": first},
+                           reply=True, wait=True)
+        life = first[0]["life"]
+        for i in range(8):
+          more = [goodput.Event("save", life, time.time(), goodput.Counters(),
+                                step=1000 + 255 * i + s).to_dict() for s in range(255)]
+          worker.send_ledger({"op": "goodput", "events": more}, reply=True, wait=True)
+        assert os.path.getsize(goodput.path_in(os.path.realpath(directory))) > 128 << 10
+      finally:
+        worker.close()

@@ -154,3 +154,27 @@ def test_a_pipeline_that_names_its_data_has_it_in_every_state_and_refuses_other_
                            r"v1', but with kwargs \['path'\] it now reads 'files of /d v2'"):
     _states(entry, {"kind": "iter", "position": 5, "data": "files of /d v1"})
   assert "data" not in _states(_entry(None), {"data": "files of /d v1"})[0]  # names none
+
+
+def test_a_glob_the_pipeline_walks_as_it_opens_stops_once_its_client_is_gone(tmp_path):
+  """The feed's ``alive`` reaches the pipeline's glob as it opens (``produce(alive=)``): a
+  client gone stops the walk, typed, before the pipeline returns (issue 70, item 2)."""
+  from sidecar._src.user import data_paths
+  for i in range(3):
+    (tmp_path / f"d{i}").mkdir()
+    (tmp_path / f"d{i}" / "x.bin").write_bytes(b"x")
+
+  def pipeline(ctx):
+    return [{"x": np.int32(len(ctx.data_path(f"{tmp_path}/*/*.bin").expand()))}] * 5
+  spec = producer.Spec(global_batch_size=5, ranges=((0, 5),), seed=0, num_epochs=1,
+                       shard_index=0, shard_count=1, start={}, workers=0)
+  entry = registry_lib.Entry(kind=registry_lib.PIPELINE, name="p", fn=pipeline, code_hash="",
+                             signature=None)
+  roots = data_paths.DataRoots(roots=(str(tmp_path),), tenant="bob", where="pool.yaml:3")
+  alloc = lambda shape, dtype: np.zeros(shape, dtype)
+  with pytest.raises(sidecar.ClosedError, match="the feed's client is gone"):
+    next(producer.produce(entry, {}, spec, alloc, roots=roots, alive=lambda: False))
+  with pytest.raises(sidecar.ClosedError, match="the feed's client is gone"):
+    producer.length(entry, {}, spec, roots, alive=lambda: False)
+  batch, _, _ = next(producer.produce(entry, {}, spec, alloc, roots=roots, alive=lambda: True))
+  np.testing.assert_array_equal(as_tree(batch)["x"][0], [3] * 5)

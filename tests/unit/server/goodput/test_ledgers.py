@@ -274,3 +274,29 @@ def test_a_stalled_session_s_death_says_so(ledgers, tmp_path):
   ledgers.ended("w-1", 90.0, stalled=80.0)
   died = goodput_core.read(str(tmp_path))[-1]
   assert (died.kind, died.seen, died.stalled) == ("died", 90.0, 80.0)
+
+
+def test_each_tenant_s_bound_is_its_own_and_a_reload_s_holds_at_once(tmp_path):
+  """A pool file's ledger_bytes_per_s and ledger_burst_bytes (``Ledgers(bound=...)``)
+  bound each tenant's appends; a changed bound holds from the next frame."""
+  now = [0.0]
+  bounds = {"bob": ledgers_lib.Bound(burst=8 << 10, rate=1 << 10, why="bob's line"),
+            "alice": ledgers_lib.Bound(burst=1 << 20, rate=1 << 10, why="alice's line")}
+  ledgers = ledgers_lib.Ledgers(lambda d, t: os.path.realpath(d), clock=lambda: 99.0,
+                                monotonic=lambda: now[0], bound=bounds.__getitem__)
+  for name in bounds:
+    (tmp_path / name).mkdir()
+  saves = [event("save", t=50.0, step=i) for i in range(ledgers_lib.MAX_EVENTS)]
+  with pytest.raises(errors.ResourceExhaustedError,
+                     match=r"faster than 1024 bytes/s together \(bursts of 8192; bob's line\)"):
+    ledgers.receive("bob-0", {"directory": str(tmp_path / "bob"), "events": saves},
+                    tenant="bob")
+  ledgers.receive("alice-0", {"directory": str(tmp_path / "alice"), "events": []},
+                  tenant="alice")
+  for _ in range(8):  # 8 x ~25 KiB, past the default's 64 KiB at once
+    ledgers.receive("alice-0", {"events": saves}, tenant="alice")
+  bounds["alice"] = ledgers_lib.Bound(burst=4 << 10, rate=1 << 10, why="reloaded")
+  with pytest.raises(errors.ResourceExhaustedError, match="reloaded"):
+    ledgers.receive("alice-0", {"events": saves}, tenant="alice")
+  ledgers.ended("alice-0")
+  ledgers.ended("bob-0")

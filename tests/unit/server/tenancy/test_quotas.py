@@ -44,7 +44,7 @@ def _bad(q: quotas_lib.Quota) -> str:
   if isinstance(q, quotas_lib.Count):
     return str(q.least - 1)
   if isinstance(q, quotas_lib.Size):
-    return "1KiB"
+    return "512"  # bytes: below every size's least
   if isinstance(q, quotas_lib.ArenaShare):
     return "lots"
   return "soon"
