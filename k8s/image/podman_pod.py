@@ -6,9 +6,10 @@ JobSet would), memory limit and security context (user, read-only root, capabili
 privilege escalation, seccomp, the pod's fsGroup; at least the hardened ones of ``HARDENED``),
 and its volumes: an ``emptyDir`` is a
 podman volume (tmpfs for ``medium: Memory``), a Secret a read-only directory of its keys,
-``/ckpt`` a host directory as a PersistentVolume would be. The pod shares only its network
-namespace (``--share net``): each container has its own IPC namespace and ``/dev/shm``, so
-the trainer can reach the arena only through the socket volume.
+``/ckpt`` a host directory as a PersistentVolume would be. The pod shares its network
+namespace (``--share net``), and its PID namespace where the template says
+``shareProcessNamespace: true``, as a Kubernetes pod does: each container has its own IPC
+namespace and ``/dev/shm``, so the trainer can reach the arena only through the socket volume.
 """
 
 from __future__ import annotations
@@ -110,7 +111,8 @@ class Pod:
 
   def create(self) -> Pod:
     publish = [f"--publish=127.0.0.1:{h}:{c}" for c, h in self.ports.items()]
-    self.podman("pod", "create", "--name", self.name, "--share", "net", *publish)
+    share = "net,pid" if self.spec.get("shareProcessNamespace") else "net"
+    self.podman("pod", "create", "--name", self.name, "--share", share, *publish)
     self.ckpt.mkdir()
     os.chown(self.ckpt, 0, self.fs_group)  # what a pod fsGroup makes of a volume
     os.chmod(self.ckpt, 0o2775)

@@ -81,6 +81,11 @@ def _add_render(commands: argparse._SubParsersAction) -> None:
                  "command under `sidecar torchrun --nproc-per-node P`, a torchrun node per "
                  "pod, its ranks sharing the pod's sidecar (default: %(default)s: the command "
                  "is the rank)")
+  p.add_argument("--no-share-process-namespace", action="store_true",
+                 help="give the trainer and the sidecar a PID namespace each (no pod "
+                 "shareProcessNamespace): they cannot see or signal each other's processes, "
+                 "and the trainer's liveness probe still fails a stalled trainer but cannot "
+                 "ask it for its Python stacks")
   p.add_argument("-o", "--output", metavar="FILE", help="write here (default: stdout)")
   p.set_defaults(func=run_render)
 
@@ -121,7 +126,8 @@ def options_from_args(args: argparse.Namespace) -> render.RenderOptions:
       port=args.port, health_port=args.health_port, coordinator_port=args.coordinator_port,
       metrics_port=None if args.no_metrics else args.metrics_port,
       token_secret=args.token_secret, grace_seconds=args.grace_seconds,
-      trainer_restarts=args.trainer_restarts, procs_per_pod=args.procs_per_pod)
+      trainer_restarts=args.trainer_restarts, procs_per_pod=args.procs_per_pod,
+      share_process_namespace=not args.no_share_process_namespace)
 
 
 def run_render(args: argparse.Namespace) -> int:

@@ -107,6 +107,9 @@ class RenderOptions:
   # PyTorch ranks per pod (a GPU node's 8): the trainer container runs ``sidecar torchrun
   # --nproc-per-node P -- trainer_command``, a node per pod; 1: the command is the rank.
   procs_per_pod: int = 1
+  # One PID namespace for the pod's containers: the trainer's liveness probe can then ask a
+  # stalled trainer for its stacks by the pid its sidecar had from the kernel (issue 69).
+  share_process_namespace: bool = True
 
   def __post_init__(self):
     for field in ("slices", "hosts_per_slice", "procs_per_pod"):
@@ -174,6 +177,10 @@ def render_jobset(options: RenderOptions) -> dict[str, Any]:
            "secret": {"secretName": options.peer_token_secret, "defaultMode": 0o400}},
       ],
   }
+  if options.share_process_namespace:
+    # The sidecar's pids (SO_PEERCRED) are then the probe's: `sidecar stalls --stacks`
+    # signals a stalled trainer only in the sidecar's own PID namespace.
+    pod_spec["shareProcessNamespace"] = True
   metadata: dict[str, Any] = {"name": options.name}
   if options.namespace:
     metadata["namespace"] = options.namespace

@@ -72,6 +72,21 @@ def test_cli_render_lets_trainers_restart_in_place_beside_the_sidecar(
         "OnFailure", 4), name
 
 
+@pytest.mark.parametrize("flags, shared", [([], True), (["--no-share-process-namespace"], None)],
+                         ids=["default", "apart"])
+def test_cli_render_shares_the_pods_pid_namespace_as_the_overlays_do(
+    capsys, rendered_overlays, flags, shared):
+  # The trainer's probe asks a stalled trainer for its stacks only by the pid its sidecar
+  # had from the kernel, in the probe's own PID namespace (issue 69).
+  status, out, _ = run_cli(["k8s", "render", "--image", "sidecar:1", *flags], capsys)
+  assert status == 0
+  (doc,) = checks.load_documents(out)
+  assert util.pod_spec(doc).get("shareProcessNamespace") is shared
+  assert checks.check_documents([doc], crd_path=util.CRD) == []
+  for name, (overlay,) in rendered_overlays.items():
+    assert util.pod_spec(overlay)["shareProcessNamespace"] is True, name
+
+
 def test_cli_render_sets_the_coordinator_port_and_hosts_from_its_arguments(capsys):
   status, out, _ = run_cli(["k8s", "render", "--slices", "3", "--hosts-per-slice", "2",
                             "--image", "sidecar:1", "--coordinator-port", "9100"], capsys)
