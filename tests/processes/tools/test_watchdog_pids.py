@@ -74,21 +74,30 @@ class Listed(watchdog.Watchdog):
       self._latest[0] = [self._again]
 
 
-def _other_users_pid() -> int | None:
-  for name in os.listdir("/proc"):
-    if name.isdigit() and os.stat(f"/proc/{name}").st_uid != os.getuid():
-      return int(name)
-  return None
+@pytest.fixture
+def other_user():
+  """A process of another user: started as ``nobody`` where this test runs as root (CI),
+  else one found in /proc; None where there is neither."""
+  if os.getuid() == 0:
+    proc = subprocess.Popen(["sleep", "60"], user=65534, group=65534)
+    try:
+      yield proc.pid
+    finally:
+      proc.kill()
+      proc.wait()
+    return
+  yield next((int(name) for name in os.listdir("/proc")
+              if name.isdigit() and os.stat(f"/proc/{name}").st_uid != os.getuid()), None)
 
 
 @pytest.mark.parametrize("claim", ["unrelated", "minus-unrelated-group", "zero", "minus-one",
                                    "2**40", "the-launcher", "other-user"])
 def test_a_stall_listed_with_a_pid_the_launcher_did_not_start_signals_nothing(
-    processes, signals, claim):
+    processes, signals, other_user, claim):
   trainer, unrelated = processes
   pid = {"unrelated": unrelated.pid, "minus-unrelated-group": -unrelated.pid, "zero": 0,
          "minus-one": -1, "2**40": 2**40, "the-launcher": os.getpid(),
-         "other-user": _other_users_pid()}[claim]
+         "other-user": other_user}[claim]
   if pid is None:
     pytest.skip("no process of another user here")
   dog = Listed(_stalled(pid))
