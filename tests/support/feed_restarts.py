@@ -2,7 +2,8 @@
 
 Run as ``sidecar launch --hosts 1 --max-restarts K --import tests.support.feed_fns --
 python -m tests.support.feed_restarts STEPS WORKERS FAILS [MARKER]``. On each start it reports its
-sidecar's feeds, arena use and feed worker processes before it opens its own feed, opens
+sidecar's feeds, arena use and feed worker processes before it opens its own feed (once
+none is left, or what is left after ``LEFT_S``), opens
 the ``ids`` feed with ``FeedOptions(workers=WORKERS)``, times STEPS steps (a jitted matmul
 on each batch) and reports the steps/s and the feed worker processes then running. On the
 first FAILS starts (``SIDECAR_RESTART`` below FAILS) it then SIGKILLs itself, with its
@@ -25,6 +26,7 @@ import numpy as np
 
 BATCH, WIDTH = 64, 256
 CHILD = "sidecar._src.server.feeds.child"  # how a feed worker process's command line reads
+LEFT_S = 10.0  # how long a start waits for the last trainer's feed to be gone from its sidecar
 
 
 def feed_workers(sidecar_pid: int) -> list[int]:
@@ -61,9 +63,20 @@ def main(steps: str, workers: str, fails: str, marker: str = "") -> int:
   ctl = sidecar.jax.Controller.from_env(timeout=60)
   try:
     sidecar_pid = ctl.hosts[0].pid
-    status = ctl.status()[0]
-    emit("start", pid=os.getpid(), sidecar_pid=sidecar_pid, feeds=len(status.feeds),
-         arena_used=status.arena_used, feed_workers=feed_workers(sidecar_pid))
+
+    def left() -> tuple[int, int, list[int]]:
+      status = ctl.status()[0]
+      return len(status.feeds), status.arena_used, feed_workers(sidecar_pid)
+
+    # The launcher starts this trainer once the last one exited, not once its sidecar
+    # ended that one's session and feed (threads there, which a loaded machine may run a
+    # little later): what is still there after LEFT_S is left for good.
+    deadline, seen = time.monotonic() + LEFT_S, left()
+    while seen != (0, 0, []) and time.monotonic() < deadline:
+      time.sleep(0.05)
+      seen = left()
+    emit("start", pid=os.getpid(), sidecar_pid=sidecar_pid, feeds=seen[0],
+         arena_used=seen[1], feed_workers=seen[2])
     w = jnp.asarray(np.random.default_rng(0).standard_normal((WIDTH, WIDTH)), jnp.float32)
 
     @jax.jit

@@ -87,13 +87,30 @@ class ArenaIO:
       # itself): a retry would join at the end, behind the tenant's later requests.
       queued = self.leases.queued(holder)
       try:
-        return self.leases.alloc(nbytes, holder, timeout=max(0.0, left if queued else
-                                                             min(left, 1.0)), alive=alive)
+        block = self.leases.alloc(nbytes, holder, timeout=max(0.0, left if queued else
+                                                              min(left, 1.0)), alive=alive)
+        return self._to_attached(block, holder)
       except errors.ResourceExhaustedError as e:
         if queued or not self.leases.fits(nbytes, holder) or not alive():
           raise
         if left <= 1.0:
           raise self._no_room(nbytes, holder, time.monotonic() - start, e) from None
+
+  def _to_attached(self, block: shm.Block, holder: Hashable) -> shm.Block:
+    """``block``, just leased to ``holder``, if that is a pin or a worker session still
+    attached. A session that ended meanwhile (a feed or stream of it still made its next
+    item) has had its blocks released (``Workers._serve``: the session leaves first,
+    then ``release_all``): nothing would ever release this one, so it goes back now.
+
+    Raises:
+      ClosedError: ``holder`` is a worker session that ended.
+    """
+    if not isinstance(holder, str) or self.is_attached(holder):
+      return block  # else: left after the lease; release_all, if not yet run, finds it
+    _release_unless_gone(self.leases, block.offset, block.generation, holder)
+    raise errors.ClosedError(
+        f"worker session {holder} ended while a block of {block.nbytes} bytes was made for "
+        "it; its feed or stream ends with it (the trainer that attached it is gone)")
 
   def _no_room(self, nbytes: int, holder: Hashable, waited: float,
                error: errors.ResourceExhaustedError) -> errors.ResourceExhaustedError:
@@ -131,7 +148,7 @@ class ArenaIO:
       if block is not None and a.nbytes <= block.nbytes:
         # Already in its arena (a RAM-tier shard, an argument): lease it, copy nothing.
         self.leases.hold(block.offset, block.generation, session, arena=block.arena)
-        granted.append(block)
+        granted.append(self._to_attached(block, session))
         return codec.ArenaRef(block.offset, a.nbytes, block.generation, a.dtype.name, a.shape)
       block = self.alloc(a.nbytes, session, alive, time_left)
       granted.append(block)
@@ -142,8 +159,8 @@ class ArenaIO:
     try:
       return codec.encode(value, to_arena=to_arena, inline_limit=self._inline_limit, where=where)
     except BaseException:
-      for block in granted:
-        self.leases.release(block.offset, block.generation, session)
+      for block in granted:  # those its session's end released already: gone
+        _release_unless_gone(self.leases, block.offset, block.generation, session)
       raise
 
   def release(self, blocks: list[int], session: str) -> None:
@@ -323,13 +340,24 @@ class BatchBlocks:
         self._io.leases.release(block.offset, block.generation, holder)
 
   def close(self) -> None:
-    """Gives back the blocks made but never sent; idempotent."""
+    """Gives back the blocks made but never sent, every one; idempotent. Those of a
+    worker session that ended went back at its end already (``Leases.release_all``)."""
     placed, self._placed = self._placed, {}
     for block, _, holder in placed.values():
-      self._io.leases.release(block.offset, block.generation, holder)
+      _release_unless_gone(self._io.leases, block.offset, block.generation, holder)
     if self._entered:
       self._entered = False
       self._io.leases.arenas.leave(self._space)
+
+
+def _release_unless_gone(leases: Leases, offset: int, generation: int,
+                         holder: Hashable) -> None:
+  """Releases ``holder``'s hold on a block, unless it was released already: a worker
+  session's blocks go back at its end, and a feed's or stream's teardown that comes later
+  must still give back each of the others (StaleDescriptorError would stop it at the
+  first)."""
+  with contextlib.suppress(errors.StaleDescriptorError):
+    leases.release(offset, generation, holder)
 
 
 def _arrays(tree: Any) -> list[np.ndarray]:

@@ -78,6 +78,47 @@ def test_a_feed_for_a_worker_leases_it_what_was_sent_and_takes_back_the_rest(io)
   assert io.leases.allocator.used_bytes == 0
 
 
+def _ends(io, attached: set[str]) -> None:
+  """Ends worker session SESSION as Workers._serve does: it leaves, then its blocks go."""
+  attached.discard(SESSION)
+  io.leases.release_all(SESSION)
+
+
+def test_a_feed_torn_down_after_its_sessions_end_gives_back_the_rest(io):
+  # The trainer was SIGKILLed while its feed filled batches ahead: its session's end
+  # released those; the feed's teardown, after, passes over them and gives back the rest.
+  attached = {SESSION}
+  io.is_attached = attached.__contains__
+  blocks = BatchBlocks(io, SESSION, _forever, _no_deadline)
+  blocks.alloc((3,), np.dtype(np.int64))  # in flight at the end
+  pinned = BatchBlocks(io, "", _forever, _no_deadline)
+  pinned.alloc((3,), np.dtype(np.int64))
+  _ends(io, attached)
+  blocks.close()  # no StaleDescriptorError
+  pinned.close()
+  assert io.leases.allocator.used_bytes == 0
+
+
+def test_a_block_made_for_a_session_after_its_end_goes_back_at_once(io):
+  # The feed's producer made its next batch after the session's blocks went back: the
+  # lease would outlive everything that releases the session's blocks.
+  attached = {SESSION}
+  io.is_attached = attached.__contains__
+  blocks = BatchBlocks(io, SESSION, _forever, _no_deadline)
+  blocks.alloc((3,), np.dtype(np.int64))
+  _ends(io, attached)
+  with pytest.raises(errors.ClosedError, match=f"worker session {SESSION} ended"):
+    blocks.alloc((3,), np.dtype(np.int64))
+  answers = iter([True])  # a stream's item: it started before the end, its block after
+  io.is_attached = lambda session: next(answers, False)
+  with pytest.raises(errors.ClosedError):
+    io.encode(np.zeros(4096, np.uint8), SESSION, alive=_forever, time_left=_no_deadline,
+              where="item 0")
+  blocks.close()
+  assert io.leases.allocator.used_bytes == 0
+  assert io.leases.held_bytes() == ({}, 0)
+
+
 def test_a_batch_whose_encoding_failed_gives_back_every_block(io):
   blocks = BatchBlocks(io, SESSION, _forever, _no_deadline)
   first = blocks.alloc((3,), np.dtype(np.int64))
