@@ -436,7 +436,8 @@ def test_stopping_mid_save_aborts_the_staging_and_joins_the_threads(make_server,
                  shards=[staged(("w",), 0, ((0, 1), (0, n)), part)], last=False).result()
     del part
     writers = [t for t in threading.enumerate() if t.name == "sidecar-ckpt-3"]
-    assert len(writers) == 1 and writers[0].is_alive()  # waiting for the second part
+    # Waiting for the second part; a starter thread starts it, so it may not have run yet.
+    assert len(writers) == 1 and eventually(writers[0].is_alive)
   server.stop()
   assert not writers[0].is_alive()  # joined by stop(), not left to its 60 s stage timeout
   assert releasers() == before  # and the thread that hands blocks back

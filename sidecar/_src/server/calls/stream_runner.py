@@ -194,6 +194,11 @@ def _reported(items: Items, request: pb.CallRequest, tenant: str | None) -> Item
   user's FileNotFoundError must never look like a closed socket (``workers.py``)."""
   try:
     yield from items
+  except errors.ClosedError as e:
+    # Its trainer went (its session ended while a batch was made for it): nothing went
+    # wrong here, and nobody is left to tell.
+    _log_failure(request, e, tenant, logging.INFO)
+    raise
   except errors.SidecarError as e:
     # A feed worker's (a RemoteError, with its own traceback) and ours about the pipeline
     # (a path not found beneath its data roots, say: the trainer's PipelineError) at
