@@ -278,6 +278,113 @@ def test_a_begin_that_loses_the_race_to_another_sidecars_begin_says_so(make_writ
   assert ours.begin(directory, 6, owner="a")  # and ours serves on
 
 
+class MadeLater(Recording):
+  """The real Orbax format, the making of a step's directory (``begin_tmp``'s second half)
+  held until ``release`` is set, then failing with ``fail`` if one is given."""
+
+  def __init__(self, fail=None):
+    super().__init__()
+    self.release, self.making = threading.Event(), threading.Event()
+    self.made_on = []  # the threads that made a directory
+    self.fail_making = fail
+
+  def begin_tmp(self, directory, step):
+    make = super().begin_tmp(directory, step)
+
+    def later():
+      self.making.set()
+      assert self.release.wait(30)
+      self.made_on.append(threading.current_thread().name)
+      if self.fail_making is not None:
+        raise self.fail_making
+      return make()
+    return later
+
+
+def begun_by_stage(writer, tmp_path, step):
+  """Opens ``ck`` and records the Begin of ``step`` by a Stage that begins it (session
+  "a"): the directory, the tmp_dir it stages into, its final_dir and what makes it."""
+  directory = str(tmp_path / "ck")
+  writer.open(directory)
+  tmp_dir, final = OrbaxFormat().staged_dirs(OrbaxFormat().tmp_of(directory, step))
+  tmp_step, make = writer.begin_staged(directory, step, owner="a", tmp_dir=tmp_dir)
+  assert tmp_step == os.path.dirname(tmp_dir)
+  return directory, tmp_dir, final, make
+
+
+def test_a_stage_that_begins_its_step_answers_before_its_directory_is_made(make_writer,
+                                                                            tmp_path):
+  # Issue 69 item 5: a kept save at one round trip. The step's directory (mkdir, its
+  # metadata file) is made by its writer thread, before it writes: not on the Stage's
+  # answer, which the trainer's save() waits for.
+  engine = MadeLater()
+  writer, _ = make_writer(engine)
+  directory, tmp_dir, final, make = begun_by_stage(writer, tmp_path, 3)
+  whole = [shard(0, ((0, 2), (0, 2)), 1.0), shard(0, ((2, 4), (0, 2)), 2.0),
+           shard(1, ((0, 3),), 7)]
+  assert writer.stage(directory, 3, tmp_dir, final, SPECS, whole, last=True, owner="a",
+                      make_tmp=make) == 16 + 16 + 12
+  assert engine.making.wait(30)  # the writer makes it: held, and the Stage answered
+  assert not os.path.exists(os.path.dirname(tmp_dir)) and engine.seen == []
+  with pytest.raises(errors.PermissionDeniedError, match="being saved by another session"):
+    writer.begin(directory, 3, owner="b", alive=lambda: True)  # begun: in flight
+  engine.release.set()
+  sums = writer.prepared(final, timeout=30)
+  assert engine.made_on == ["sidecar-ckpt-3"]
+  assert writer.commit(tmp_dir, 3, 1, SPECS, sums, "", True, owner="a") == str(
+      tmp_path / "ck" / "3")
+  assert os.listdir(directory) == ["3"]
+
+
+def test_a_step_whose_directory_could_not_be_made_fails_as_a_failed_write(make_writer,
+                                                                          tmp_path):
+  # Another process made the directory between the Stage's checks and its writer's
+  # making: the step's write fails (prepared, the trainer's next save or wait raise it),
+  # with what a Begin that lost that race says; nothing is committed, the abort cleans.
+  engine = MadeLater(fail=FileExistsError(errno.EEXIST, "File exists", "elsewhere"))
+  writer, tier = make_writer(engine)
+  directory, tmp_dir, final, make = begun_by_stage(writer, tmp_path, 4)
+  writer.stage(directory, 4, tmp_dir, final, SPECS, [shard(1, ((0, 3),), 7)], last=True,
+               owner="a", make_tmp=make)
+  engine.release.set()
+  with pytest.raises(errors.PermissionDeniedError,
+                     match=r"begin: step 4 of '.*ck' is being saved by another checkpointer, or "
+                           r"was: File exists \(elsewhere\)"):
+    writer.prepared(final, timeout=30)
+  assert engine.seen == []  # nothing written
+  with pytest.raises(errors.InvalidArgumentError, match="failed to write on host 0 "):
+    writer.commit(tmp_dir, 4, 1, SPECS, [], "", True, owner="a")
+  writer.abort(os.path.dirname(tmp_dir), final)
+  assert os.listdir(directory) == [] and final not in tier.steps
+  engine.fail_making = None
+  assert writer.begin(directory, 4, owner="b")  # not in flight any more
+
+
+@pytest.mark.parametrize("thing", ["committed", "file", "symlink"])
+def test_a_stage_that_begins_its_step_refuses_what_the_making_would_before_it_answers(
+    make_writer, tmp_path, thing):
+  # What would make the directory's making fail (its step committed, something no save
+  # leaves where it goes) refuses the Stage itself, before anything is recorded or made.
+  writer, _ = make_writer(MadeLater())
+  directory = str(tmp_path / "ck")
+  writer.open(directory)
+  tmp_dir, _ = OrbaxFormat().staged_dirs(OrbaxFormat().tmp_of(directory, 5))
+  tmp = pathlib.Path(os.path.dirname(tmp_dir))
+  if thing == "committed":
+    (tmp_path / "ck" / "5").mkdir()
+  elif thing == "file":
+    tmp.write_bytes(b"")
+  else:
+    (tmp_path / "elsewhere").mkdir()
+    tmp.symlink_to(tmp_path / "elsewhere")
+  with pytest.raises(errors.PermissionDeniedError,
+                     match=r"begin: step 5 of '.*ck' is being saved by another checkpointer, "
+                           r"or was: "):
+    writer.begin_staged(directory, 5, owner="a", tmp_dir=tmp_dir)
+  assert writer.begun(directory, 5, "orbax") is None  # not recorded
+  assert os.path.lexists(tmp) == (thing != "committed")  # left as it was
+
+
 class Pruned(OrbaxFormat):
   """The real Orbax format, with another host's delete of ``step`` run at the racy moment
   ``when``: as the check that it is a checkpoint starts ("check"), or once that check said
