@@ -11,6 +11,7 @@ import pytest
 
 import sidecar
 from sidecar._src.ckptfmt.spec import LeafKind, LeafSpec
+from sidecar._src.server.checkpoint import faults
 from sidecar._src.wire import checkpoint_wire as wire
 from sidecar._src.wire.protocol import ckpt_pb
 from tests.support.raw_client import Raw, rejected
@@ -52,10 +53,15 @@ def begin_stage(raw: Raw, directory: str, tmp_dir: str, *, final_step: int = 1):
   return raw.ckpt.Stage(request, metadata=raw.metadata, timeout=10)
 
 
-def test_a_stage_that_begins_its_step_writes_only_where_begin_would(make_server, tmp_path):
+def test_a_stage_that_begins_its_step_writes_only_where_begin_would(make_server, tmp_path,
+                                                                   monkeypatch):
   """A Stage may begin its step (one round trip less: issue 69, item 5); one that names a
   tmp_dir elsewhere is refused before anything is made, one whose part is refused leaves
   nothing begun, and one as the trainer sends it stages the step."""
+  # Its write is held until `release` exists: a raw Stage names no worker, so the step is
+  # in flight only while it is written, and the other session's Begin must meet it there.
+  release = tmp_path / "release"
+  monkeypatch.setenv(faults.FAULT_ENV, f"slow@1:{release}")
   server = make_server(token="t")
   raw = Raw(server.port, token="t")
   directory = str(tmp_path / "ck")
@@ -82,6 +88,7 @@ def test_a_stage_that_begins_its_step_writes_only_where_begin_would(make_server,
       assert error.code() == grpc.StatusCode.PERMISSION_DENIED, error.details()
     finally:
       other.close()
+    release.touch()
     # Its writer thread made the step's directory (off the Stage's answer), then wrote.
     written = raw.ckpt.Prepared(ckpt_pb.CheckpointPreparedRequest(
         final_dir=f"{directory}/1/default", timeout_s=10), metadata=raw.metadata, timeout=20)
