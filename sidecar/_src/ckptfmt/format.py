@@ -109,14 +109,6 @@ class Format(abc.ABC):
   def create_tmp(self, directory: str, step: int) -> pathlib.Path:
     """Creates (anew) the directory ``step`` of ``directory`` is written into."""
 
-  def begin_tmp(self, directory: str, step: int) -> Callable[[], pathlib.Path]:
-    """:meth:`create_tmp` in two halves: refuses now what it would refuse, and returns
-    what makes the directory, to run later (a Stage that begins its step leaves it to the
-    step's writer thread, off the trainer's wait). This default makes it now: a format
-    whose checks are part of the making (DCP's puts back a cut-short overwrite first)."""
-    made = self.create_tmp(directory, step)
-    return lambda: made
-
   @abc.abstractmethod
   def tmp_of(self, directory: str, step: int) -> str:
     """Where :meth:`create_tmp` would create it, made of ``directory`` as given (the

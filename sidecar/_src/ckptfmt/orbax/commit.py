@@ -1,22 +1,19 @@
 """Committing a step: the tmp directory, the checks, the metadata files, one rename.
 
 :func:`create_tmp_step` makes ``<step>.orbax-checkpoint-tmp`` with its
-``_CHECKPOINT_METADATA`` (:func:`check_tmp_step`: what it refuses, looked at first); once
-every host wrote its part, :func:`finalize` checks every chunk is there, writes the item's
-``_sharding``, ``_METADATA`` and ``commit_success.txt``, fsyncs the directories and
-renames the step into place.
+``_CHECKPOINT_METADATA``; once every host wrote its part, :func:`finalize` checks every
+chunk is there, writes the item's ``_sharding``, ``_METADATA`` and
+``commit_success.txt``, fsyncs the directories and renames the step into place.
 """
 
 from __future__ import annotations
 
 import base64
-import errno
 import json
 import math
 import os
 import pathlib
 import shutil
-import stat
 import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -40,27 +37,6 @@ if TYPE_CHECKING:
   from orbax.checkpoint._src.metadata import tree as tree_metadata
 
 
-def check_tmp_step(directory: os.PathLike | str, step: int) -> None:
-  """What :func:`create_tmp_step` refuses, looked at without making anything: a Stage
-  that begins its step refuses it before it answers, and leaves the making to the
-  step's writer thread.
-
-  Raises:
-    FileExistsError: the step is already committed, or something a save never leaves (a
-      file, a symlink) is where its uncommitted directory goes.
-  """
-  final = pathlib.Path(directory) / str(int(step))
-  if final.exists():
-    raise FileExistsError(f"step {step} is already committed at {final}")
-  tmp = tmp_step_path(directory, step)
-  try:
-    mode = os.lstat(tmp).st_mode
-  except FileNotFoundError:
-    return
-  if not stat.S_ISDIR(mode):  # rmtree would leave it, and mkdir fail on it
-    raise FileExistsError(errno.EEXIST, "not a directory a save made", str(tmp))
-
-
 def create_tmp_step(directory: os.PathLike | str, step: int) -> pathlib.Path:
   """Creates the uncommitted step directory and its ``_CHECKPOINT_METADATA``.
 
@@ -68,10 +44,11 @@ def create_tmp_step(directory: os.PathLike | str, step: int) -> pathlib.Path:
   as Orbax's CheckpointManager does at start.
 
   Raises:
-    FileExistsError: the step is already committed (:func:`check_tmp_step`), or was made
-      meanwhile by another process.
+    FileExistsError: the step is already committed.
   """
-  check_tmp_step(directory, step)
+  final = pathlib.Path(directory) / str(int(step))
+  if final.exists():
+    raise FileExistsError(f"step {step} is already committed at {final}")
   tmp = tmp_step_path(directory, step)
   shutil.rmtree(tmp, ignore_errors=True)
   tmp.mkdir(parents=True)

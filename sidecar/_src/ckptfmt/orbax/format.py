@@ -11,7 +11,6 @@ none of them.
 
 from __future__ import annotations
 
-import functools
 import pathlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
@@ -74,10 +73,6 @@ class OrbaxFormat(Format):
 
   def create_tmp(self, directory: str, step: int) -> pathlib.Path:
     return orbax_commit.create_tmp_step(directory, step)
-
-  def begin_tmp(self, directory: str, step: int) -> Callable[[], pathlib.Path]:
-    orbax_commit.check_tmp_step(directory, step)
-    return functools.partial(orbax_commit.create_tmp_step, directory, step)
 
   def tmp_of(self, directory: str, step: int) -> str:
     return str(tmp_step_path(directory, step))

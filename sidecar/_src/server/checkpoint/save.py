@@ -15,7 +15,6 @@ checkpoint wrote.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
@@ -25,7 +24,7 @@ import shutil
 import stat
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from sidecar._src.ckptfmt import direct_io, records, registry as formats_lib
@@ -145,7 +144,8 @@ class StepWriter:
             "is (its write goes on)")
 
   def begin(self, directory: str, step: int, format: str = formats_lib.ORBAX,  # noqa: A002
-            owner: str = "", alive: Callable[[], bool] | None = None) -> str:
+            owner: str = "", alive: Callable[[], bool] | None = None, *,
+            tmp_dir: str | None = None) -> str:
     """Creates the step's uncommitted directory (anew), as its format (a registered name,
     ``Format.name``; the wire's Begin always names one) names it: "orbax":
     ``<directory>/<step>.orbax-checkpoint-tmp``; "dcp": ``<directory>.dcp-checkpoint-tmp``
@@ -154,24 +154,11 @@ class StepWriter:
     files): another session's from its Begin on (``Begun``), until it is committed or
     aborted or its trainer is gone (``alive``: whether the worker of the session
     ``owner`` is attached; None: not known); another checkpointer's of this session once
-    it staged."""
-    tmp, make = self.begin_staged(directory, step, format, owner, alive)
-    try:
-      return str(make())
-    except BaseException:
-      self._begins.unreserve(pathlib.Path(tmp), owner)
-      raise
+    it staged.
 
-  def begin_staged(self, directory: str, step: int, format: str = formats_lib.ORBAX,  # noqa: A002
-                   owner: str = "", alive: Callable[[], bool] | None = None, *,
-                   tmp_dir: str | None = None) -> tuple[str, Callable[[], object]]:
-    """:meth:`begin`'s checks and record, all it refuses refused now; returns the step's
-    uncommitted directory (resolved) and what makes it, which a Stage that begins its step
-    (its first part: one round trip less) hands to :meth:`stage` (``make_tmp``): the
-    step's writer thread makes it before it writes, off the trainer's wait, and what
-    fails there fails the step's write. ``tmp_dir``: where that Stage writes, which must
-    be where a save writes in the directory made (refused before anything is made if
-    not)."""
+    ``tmp_dir``: a Stage begins the step (its first part: one round trip less), and
+    writes there, which must be where a save writes in the directory made (refused
+    before anything is made if not)."""
     step = roots_lib.as_int(step, "step")
     fmt = self._formats.get(format)
     tmp = pathlib.Path(self.tmp_of(directory, step, format))
@@ -183,16 +170,17 @@ class StepWriter:
           "its step stages into the directory that Begin would answer")
     self._begins.reserve(directory, step, fmt.name, tmp, owner, alive)
     try:
-      with _refusing_races(directory, step):
-        make = fmt.begin_tmp(directory, step)
-    except BaseException:
+      return str(fmt.create_tmp(directory, step))
+    except BaseException as e:
       self._begins.unreserve(tmp, owner)
+      if isinstance(e, FileExistsError):  # a race lost to a checkpointer that began or
+        raise errors.PermissionDeniedError(  # committed the step meanwhile (another job's)
+            f"begin: step {step} of {directory!r:.200} is being saved by another "
+            f"checkpointer, or was: {e.strerror or e}"
+            f"{f' ({e.filename})' if e.filename else ''}; a save never replaces a committed "
+            "step: save each step of a directory from one checkpointer (one job per "
+            "directory)") from None
       raise
-
-    def make_tmp() -> object:
-      with _refusing_races(directory, step):
-        return make()
-    return str(tmp), make_tmp
 
   def forget_ended(self) -> None:
     """Forgets the begun saves that are no longer in flight (their trainers gone)."""
@@ -249,8 +237,7 @@ class StepWriter:
             leaves: Sequence[LeafSpec], shards: list[Staged], last: bool = True,
             writers: int = 1, extra: Any = None, owner: str = "",
             plan: records.CommitPlan | None = None, worker: str = "",
-            alive: Callable[[], bool] | None = None,
-            make_tmp: Callable[[], object] | None = None) -> int:
+            alive: Callable[[], bool] | None = None) -> int:
     """Takes shards of this host (arena views it now holds) and starts writing them.
 
     A save stages in parts, as the trainer copies (``last`` on the final one): the
@@ -272,8 +259,6 @@ class StepWriter:
     last part came with one, this host takes the step over before this call returns
     (``take_over``, which may refuse it: then this call raises). ``alive``: whether the
     trainer whose worker session ``worker`` staged this part is still there.
-    ``make_tmp`` (a part that begins its step: :meth:`begin_staged`): makes the step's
-    uncommitted directory, which its writer thread runs first.
     """
     step = roots_lib.as_int(step, "step")
     resolved = self._path(directory, "directory")  # each path resolved once
@@ -310,9 +295,8 @@ class StepWriter:
         self._tier.add(own)
         self._spawn(functools.partial(
             write_lib.write_step, own, fmt, host_id=self._host_id, tier=self._tier,
-            metrics=self._metrics, turn=self._write_turn(owner) or direct_io.no_turn,
-            make_tmp=make_tmp), name=f"sidecar-ckpt-{step}")
-      # (else its writer made it: a part that begins a step in flight is refused first)
+            metrics=self._metrics, turn=self._write_turn(owner) or direct_io.no_turn),
+            name=f"sidecar-ckpt-{step}")
       if own.whole:
         raise errors.InvalidArgumentError(
             f"stage: step {step} of {directory!r:.200} is staged already on host "
@@ -486,21 +470,6 @@ class StepWriter:
           f"other mark of a format of {self._formats.names} in it or its items); delete "
           "removes only steps a checkpoint wrote")
     _remove_dir(target)  # (another host's delete may rename it away first: gone, as asked)
-
-
-@contextlib.contextmanager
-def _refusing_races(directory: str, step: int) -> Iterator[None]:
-  """A Begin's FileExistsError (the step committed, or its directory made by another
-  process) as the PermissionDeniedError that says what to do."""
-  try:
-    yield
-  except FileExistsError as e:  # a race lost to a checkpointer that began or committed
-    raise errors.PermissionDeniedError(  # the step meanwhile (another job's)
-        f"begin: step {step} of {directory!r:.200} is being saved by another "
-        f"checkpointer, or was: {e.strerror or e}"
-        f"{f' ({e.filename})' if e.filename else ''}; a save never replaces a committed "
-        "step: save each step of a directory from one checkpointer (one job per "
-        "directory)") from None
 
 
 def _remove_dir(path: pathlib.Path) -> None:

@@ -80,6 +80,7 @@ def test_a_stage_that_begins_its_step_writes_only_where_begin_would(make_server,
     assert "is not where tmp_dir" in error.details()
     assert not pathlib.Path(tmp).exists()
     assert begin_stage(raw, directory, f"{tmp}/default").staged_bytes == 32
+    assert pathlib.Path(tmp).is_dir()
     # Begun now: another session's Begin of the step is refused as before.
     other = Raw(server.port, token="t")
     try:
@@ -89,7 +90,7 @@ def test_a_stage_that_begins_its_step_writes_only_where_begin_would(make_server,
     finally:
       other.close()
     release.touch()
-    # Its writer thread made the step's directory (off the Stage's answer), then wrote.
+    # Released, its write ends: the step is written in the directory the Stage made.
     written = raw.ckpt.Prepared(ckpt_pb.CheckpointPreparedRequest(
         final_dir=f"{directory}/1/default", timeout_s=10), metadata=raw.metadata, timeout=20)
     assert len(written.records) == 1 and pathlib.Path(tmp).is_dir()
