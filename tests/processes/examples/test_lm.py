@@ -120,7 +120,16 @@ def _killed_once(p: subprocess.Popen, ckpt, metrics, *, timeout: float) -> tuple
 def _kill_mid_way(p: subprocess.Popen, ckpt, metrics) -> tuple[int, str]:
   """SIGKILLs the trainer of launch ``p`` once step KILL_AFTER is written and step
   SAVE_EVERY committed; its pid, and what the launcher printed until then."""
-  header = p.stdout.readline() + p.stdout.readline()
+  trainer, header = _until_saved(p, ckpt, metrics, p.stdout.readline())
+  os.kill(trainer, signal.SIGKILL)
+  return trainer, header
+
+
+def _until_saved(p: subprocess.Popen, ckpt, metrics, header: str = "") -> tuple[int, str]:
+  """Waits until launch ``p``'s trainer wrote step KILL_AFTER and committed step
+  SAVE_EVERY; its pid, and what the launcher printed until it initialised (after
+  ``header``, read already)."""
+  header += p.stdout.readline()
   while "initialised" not in header:
     line = p.stdout.readline()
     assert line, header
@@ -128,7 +137,6 @@ def _kill_mid_way(p: subprocess.Popen, ckpt, metrics) -> tuple[int, str]:
   trainer = int(re.search(r"pid (\d+) initialised", header).group(1))
   assert eventually(lambda: KILL_AFTER in _steps(metrics)
                     and (ckpt / str(SAVE_EVERY)).is_dir(), timeout=60), header
-  os.kill(trainer, signal.SIGKILL)
   return trainer, header
 
 
@@ -195,14 +203,7 @@ def test_an_injected_error_is_raised_in_a_step_and_rolled_back_in_process(
   metrics, ckpt = tmp_path / "metrics.jsonl", tmp_path / "ckpt"
   p = _launch(data, ckpt, metrics, "--inject-faults", "--recover-in-process")
   try:
-    header = p.stdout.readline()
-    while "initialised" not in header:
-      line = p.stdout.readline()
-      assert line, header
-      header += line
-    trainer = int(re.search(r"pid (\d+) initialised", header).group(1))
-    assert eventually(lambda: KILL_AFTER in _steps(metrics)
-                      and (ckpt / str(SAVE_EVERY)).is_dir(), timeout=60), header
+    trainer, header = _until_saved(p, ckpt, metrics)
     os.kill(trainer, INJECT_ERROR)
     out = header + p.communicate(timeout=120)[0]
   finally:
@@ -308,13 +309,7 @@ def test_a_launch_stopped_by_sigterm_after_a_save_warns_of_nothing(data, tmp_pat
   metrics, ckpt = tmp_path / "metrics.jsonl", tmp_path / "ckpt"
   p = _launch(data, ckpt, metrics, "--steps", "100000")
   try:
-    header = p.stdout.readline()
-    while "initialised" not in header:
-      line = p.stdout.readline()
-      assert line, header
-      header += line
-    assert eventually(lambda: KILL_AFTER in _steps(metrics)
-                      and (ckpt / str(SAVE_EVERY)).is_dir(), timeout=60), header
+    _, header = _until_saved(p, ckpt, metrics)
     p.send_signal(signal.SIGTERM)
     out = header + p.communicate(timeout=120)[0]
   finally:
