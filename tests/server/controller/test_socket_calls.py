@@ -71,7 +71,7 @@ def test_a_call_past_its_timeout_raises_its_late_result_goes_back_and_the_next_w
     assert ctl.call("add", args=(1,)) == [1]  # on another lane, meanwhile
     # The late result came to the reader the call left behind, which let it go.
     assert eventually(lambda: used(server) == baseline, timeout=15)
-    assert eventually(lambda: ctl._sidecars.conns[0].calls.enter(0.0))
+    assert ctl._sidecars.conns[0].calls.enter(5.0)  # a slot is free (polling would take two)
     ctl._sidecars.conns[0].calls.exit()
     # A timeout that passes before the wait begins is a timeout too, not a lost host.
     with pytest.raises(errors.DeadlineExceededError):
@@ -81,7 +81,7 @@ def test_a_call_past_its_timeout_raises_its_late_result_goes_back_and_the_next_w
       f.result(5)
     del f
     assert eventually(lambda: used(server) == baseline)
-    assert eventually(lambda: ctl._sidecars.conns[0].calls.enter(0.0))
+    assert ctl._sidecars.conns[0].calls.enter(5.0)  # a slot is free (polling would take two)
     ctl._sidecars.conns[0].calls.exit()
 
 

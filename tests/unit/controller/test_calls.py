@@ -158,6 +158,9 @@ def test_ctrl_c_leaves_a_main_thread_call_running_and_drops_its_result():
   conn.calls.exit()
   release.set()
   assert eventually(lambda: answered == [2, 1])
-  assert eventually(lambda: conn.calls.enter(0.0))  # its slot came back
+  # Its slot came back: both of the window's slots can be taken (the second waits for it).
+  # (Polling enter(0.0) would take the free slot on its first try and then race the release.)
+  assert conn.calls.enter(0.0) and conn.calls.enter(5.0)
+  conn.calls.exit()
   conn.calls.exit()
   calls.close()
