@@ -292,12 +292,8 @@ class StepWriter:
           f"stage: directory {directory!r:.200} is not the directory of tmp_dir's step "
           f"({str(tmp_step.parent)!r:.200}); a Stage names the checkpoint directory it "
           "opened, the one its step lies in")
-    if (extra is not None) != (fmt.stage_extra is not None) or (
-        extra is not None and not isinstance(extra, fmt.stage_extra)):  # type: ignore[arg-type]
-      raise errors.InvalidArgumentError(
-          f"stage: a Stage of a step in {fmt.name}'s layout carries "
-          f"{fmt.stage_extra.__name__ if fmt.stage_extra else 'no format extra'}, got "
-          f"{type(extra).__name__ if extra is not None else 'none'}")
+    _check_extra(extra, fmt.stage_extra, f"stage: a Stage of a step in {fmt.name}'s layout "
+                 "carries")
     if final != resolved_final:
       raise errors.InvalidArgumentError(
           f"stage: final_dir {final_dir!r:.200} is not where tmp_dir {tmp_dir!r:.200} goes once "
@@ -428,12 +424,7 @@ class StepWriter:
           f"{self._host_id}: another save of step {step} into this directory is in flight "
           "(another checkpointer or process); wait for that save to end, or save each step "
           "from one checkpointer")
-    if (extra is not None) != (fmt.commit_extra is not None) or (
-        extra is not None and not isinstance(extra, fmt.commit_extra)):  # type: ignore[arg-type]
-      raise errors.InvalidArgumentError(
-          f"commit: a step in {fmt.name}'s layout commits with "
-          f"{fmt.commit_extra.__name__ if fmt.commit_extra else 'no format extra'}, got "
-          f"{type(extra).__name__ if extra is not None else 'none'}")
+    _check_extra(extra, fmt.commit_extra, f"commit: a step in {fmt.name}'s layout commits with")
     manifest = Manifest.of_save(fmt.name, step=step, leaves=leaves,
                                 shards=shards, data_state_json=data_state,
                                 replicas=replicas, extras=fmt.manifest_extras(extra))
@@ -494,6 +485,17 @@ class StepWriter:
           f"other mark of a format of {self._formats.names} in it or its items); delete "
           "removes only steps a checkpoint wrote")
     _remove_dir(target)  # (another host's delete may rename it away first: gone, as asked)
+
+
+def _check_extra(extra: Any, expected: type | None, what: str) -> None:
+  """InvalidArgumentError, ``what`` the format's extra ``expected`` (its ``stage_extra``
+  or ``commit_extra``; None: it has none), unless ``extra`` is one (or is None where the
+  format has none)."""
+  if extra is None if expected is None else isinstance(extra, expected):
+    return
+  raise errors.InvalidArgumentError(
+      f"{what} {expected.__name__ if expected else 'no format extra'}, got "
+      f"{type(extra).__name__ if extra is not None else 'none'}")
 
 
 def _remove_dir(path: pathlib.Path) -> None:
