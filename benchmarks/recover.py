@@ -19,8 +19,9 @@ Rows, seconds from the exception (the trainer's line ``fault: raising in step N 
 unix T``) to the first step computed after it (its metrics line: when its loss was
 ready), and to the failed step computed again (the steps re-done from the restored
 one included). For in-process, the Rollback's own figures beside them: its whole
-``recover()``, the restore, the wait for a save in flight. Prints a table and one JSON
-line.
+``recover()``; the wait for a save in flight to be staged (its copy off the devices) where
+the sidecars took it over and it is restored from their RAM tier; the restore; the wait
+for a save in flight to be durable where they had not. Prints a table and one JSON line.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ LAUNCH = {"in-process": [], "restart": ["--max-restarts", "1"],
           "standby": ["--max-restarts", "1", "--standby", "--preload", "optax",
                       "--preload", "sidecar.jax"]}
 FAULT = re.compile(r"fault: raising in step (\d+) \(--fail-at\) at unix ([\d.]+)")
-ROLLBACK = re.compile(r"restored in ([\d.]+) s(?:, ([\d.]+) s waiting for the save in flight)?"
+ROLLBACK = re.compile(r"(taken over and not durable yet, ([\d.]+) s waiting for its copy, )?"
+                      r"restored in ([\d.]+) s(?:, ([\d.]+) s waiting for the save in flight)?"
                       r"\) in ([\d.]+) s")
 
 
@@ -77,9 +79,9 @@ def run(way: str, *, config: str, data: str, work: str, fail_at: int, save_every
             "failed_step_again_s": next(x["time"] for x in after if x["step"] == fail_at) - t,
             "restored_step": after[0]["step"] - 1}
   if (rolled := ROLLBACK.search(log)) is not None:
-    result.update(restore_s=float(rolled.group(1)), waited_s=float(rolled.group(2) or 0),
-                  recover_s=float(rolled.group(3)),
-                  taken_over="taken over and not durable yet" in log)
+    result.update(restore_s=float(rolled.group(3)), waited_s=float(rolled.group(4) or 0),
+                  recover_s=float(rolled.group(5)), taken_over=rolled.group(1) is not None,
+                  staged_s=float(rolled.group(2) or 0))
   return result
 
 
@@ -122,13 +124,13 @@ def main(argv: list[str] | None = None) -> int:
   rows = []
   for way in ways:
     nxt, again = mean(way, "next_step_s"), mean(way, "failed_step_again_s")
-    rows.append([way, f"{nxt:.3f}", f"{again:.3f}", f"{base / nxt:.1f}x" if base else "-",
+    rows.append([way, f"{nxt:.3f}", f"{again:.3f}", f"{base / nxt:.1f}x" if base and nxt else "-",
                  *(f"{v:.3f}" if (v := mean(way, k)) is not None else "-"
-                   for k in ("recover_s", "restore_s", "waited_s"))])
+                   for k in ("recover_s", "staged_s", "restore_s", "waited_s"))])
   print(f"{args.config} config, step {args.fail_at} raises, saves every {args.save_every}; "
         f"means of {args.rounds} rounds, seconds from the exception")
-  print(table(["way", "next step", "failed step again", "vs restart", "recover()", "restore",
-               "save wait"], rows))
+  print(table(["way", "next step", "failed step again", "vs restart", "recover()",
+               "copy wait", "restore", "save wait"], rows))
   print(json.dumps({"config": args.config, "fail_at": args.fail_at,
                     "save_every": args.save_every, "rounds": results}))
   return 0

@@ -70,11 +70,13 @@ class Seekable(Protocol):
 class Rollback:
   """One recovery: the step that failed, the step rolled back to, what it took.
 
-  ``seconds`` runs from :meth:`Recovery.recover`'s call to its return: ``waited_s`` for
-  a save in flight to be durable (only where the sidecars had not taken it over), then
-  the feed's seek and the restore (``restore_s``, from ``tier``: ``RestoreStats.tier``).
-  ``durable``: whether ``step`` was durable when restored (False: the sidecars took it
-  over and were still writing it).
+  ``seconds`` runs from :meth:`Recovery.recover`'s call to its return: ``staged_s`` for
+  the save in flight to be staged (its copy off the devices into the arenas, and its
+  Stages: a step taken over is restored from those bytes), or ``waited_s`` for it to be
+  durable (only where the sidecars had not taken it over), then the feed's seek and the
+  restore (``restore_s``, from ``tier``: ``RestoreStats.tier``). ``durable``: whether
+  ``step`` was durable when restored (False: the sidecars took it over and were still
+  writing it).
   """
   failed_step: int
   error: str  # the exception's type and the first line of its message
@@ -84,10 +86,12 @@ class Rollback:
   waited_s: float
   seconds: float
   durable: bool = True
+  staged_s: float = 0.0
 
   def summary(self) -> str:
     waited = f", {self.waited_s:.3f} s waiting for the save in flight" if self.waited_s else ""
-    taken = "" if self.durable else ", taken over and not durable yet"
+    taken = "" if self.durable else (
+        f", taken over and not durable yet, {self.staged_s:.3f} s waiting for its copy")
     return (f"step {self.failed_step} raised {self.error}; rolled back in-process to step "
             f"{self.step} ({self.tier} tier{taken}, restored in {self.restore_s:.3f} s"
             f"{waited}) in {self.seconds:.3f} s")
@@ -149,11 +153,13 @@ class Recovery:
           f"process (retries_per_step={self.retries_per_step}): not recovered in-process; "
           "the process ends for its launcher to restart it (sidecar launch --max-restarts)")
       raise error
+    staged = self._staged()
     rolled = restore_taken_over(self._checkpointer, self._target)
     if rolled is not None:  # the save in flight, as the sidecars hold it: no wait for its write
       taken, state, data_state = rolled
       self._feed.seek(data_state)
-      return self._done(error, step, taken, state, waited=0.0, durable=False, t0=t0)
+      return self._done(error, step, taken, state, waited=0.0, durable=False, t0=t0,
+                        staged=staged)
     waited = self._settle()
     latest = self._checkpointer.latest_step()
     if latest is None:
@@ -168,14 +174,15 @@ class Recovery:
     return self._done(error, step, latest, state, waited=waited, durable=True, t0=t0)
 
   def _done(self, error: BaseException, step: int, latest: int, state: Any, *,
-            waited: float, durable: bool, t0: float) -> tuple[int, Any]:
+            waited: float, durable: bool, t0: float, staged: float = 0.0
+            ) -> tuple[int, Any]:
     """Records and logs the rollback from ``step`` to ``latest``; returns ``(latest, state)``."""
     stats = self._checkpointer.last_restore_stats()
     rollback = Rollback(
         failed_step=step, error=_describe(error), step=latest,
         tier=stats.tier if stats is not None else "unknown",
         restore_s=stats.seconds if stats is not None else 0.0, waited_s=waited,
-        seconds=time.perf_counter() - t0, durable=durable)
+        seconds=time.perf_counter() - t0, durable=durable, staged_s=staged)
     self.rollbacks.append(rollback)
     # What failed, with its traceback as text: a log entry holding the exception would keep
     # the failed step's frames (its batch, its arrays over the arena) as long as a handler
@@ -183,6 +190,18 @@ class Recovery:
     log.warning("%s\n%s", rollback.summary(),
                 "".join(traceback.format_exception(error)).rstrip())
     return latest, state
+
+  def _staged(self) -> float:
+    """Waits for the checkpointer's save in flight to be staged (copied into the arenas,
+    its Stages answered), as ``restore_taken_over`` does; the seconds. On an
+    accelerator, the copy of the state off the devices, which a save's return does not
+    wait for, is most of it."""
+    handle = self._checkpointer.save_in_flight()
+    if handle is None:
+      return 0.0
+    t0 = time.perf_counter()
+    interrupts.wait_done(handle.staged)
+    return time.perf_counter() - t0
 
   def _settle(self) -> float:
     """Waits for the checkpointer's save in flight to be durable or to fail; the seconds."""

@@ -168,6 +168,7 @@ def test_a_save_in_flight_taken_over_is_rolled_back_to_without_waiting_for_its_w
     assert (rollback.step, rollback.tier, rollback.durable, rollback.waited_s) == (
         6, "ram", False, 0.0)
     assert "taken over and not durable yet" in rollback.summary()
+    assert f"{rollback.staged_s:.3f} s waiting for its copy" in rollback.summary()
     # the feed was moved back to step 6's position: batch 7 is next
     assert np.asarray(next(feed)["x"]).tolist() == batches(ctl, 7)[6]
     ckpt.wait()  # and step 6 becomes durable as if nothing happened
