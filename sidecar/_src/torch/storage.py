@@ -3,7 +3,7 @@ work unchanged with ``storage_writer=StorageWriter(path)`` / ``storage_reader=St
 
 Thin adapters over the core's checkpoint protocol: a save is one of the core's
 ``controller/checkpoint/save_run.SaveRun``, whose methods DCP's hooks call, with DCP's
-coordinator rank as the agreement between the ranks (``save_run.Coordinator``); a restore
+coordinator rank as the coordination between the ranks (``save_run.Coordinator``); a restore
 is the core's tier fallback (``restore.ShardReads``).
 
 A save stalls each rank for one copy of its tensors into its node's sidecar's arena
@@ -17,8 +17,8 @@ DCP's Metadata and finishes the run as every framework's save does (``SaveRun.fi
 with ``replicas`` the replication starts, ``replicated`` resolving apart; every sidecar's
 part is waited for and committed with one rename, or aborted everywhere): stock
 ``FileSystemReader`` then reads the directory. ``sidecar.torch.Checkpointer`` is the
-core's one Checkpointer with these classes as its agreement plug
-(``torch/checkpointer.DcpAgreement``).
+core's one Checkpointer with these classes as its driver
+(``torch/checkpointer.DcpDriver``).
 ``StorageReader`` takes each item from the RAM tier of the sidecar that holds it (no
 storage read, no pickle: the plan in the manifest rebuilds the Metadata), else a
 replica on another sidecar, else storage, each shard's crc32c checked; a directory stock
@@ -134,7 +134,7 @@ class StorageWriter(_Writer):
     self.is_coordinator = False
     self._opened: set[str] = set()
     self._run: SaveRun | None = None  # this save's step (one per save: reset() drops it)
-    self.ending: Ending | None = None  # a Checkpointer's save's end (DcpAgreement's)
+    self.ending: Ending | None = None  # a Checkpointer's save's end (DcpDriver's)
 
   @property
   def replicated(self) -> concurrent.futures.Future | None:
