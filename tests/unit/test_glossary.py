@@ -76,7 +76,8 @@ SAME = {
         "ckptfmt/dcp/format.py:record", "ckptfmt/format.py:record",  # Format.read's
         "ckptfmt/orbax/format.py:record",
         "controller/checkpoint/client.py:record",  # CheckpointTransport.read's
-        "controller/checkpoint/restore.py:record", "controller/checkpoint/restore.py:_record",
+        "controller/checkpoint/shard_reads.py:record",
+        "controller/checkpoint/shard_reads.py:_record",
         "server/checkpoint/read.py:record",  # Reader.read's
         "server/checkpoint/checkpoints.py:record",  # Checkpoints.read's
         "torch/storage.py:_records",  # StorageReader's: each item's, by fqn and offsets
@@ -102,6 +103,7 @@ SAME = {
         "_replica_token", "_replica_warnings", "_replicas", "_write_replica_hosts",
         "accept_replica", "is_replica_link", "needs_replica_token", "open_replica", "replica",
         "replica_bandwidth", "replica_blocks_from_pb", "replica_bytes", "replica_credentials",
+        "ckptfmt/tiers.py:REPLICA",  # Tier.REPLICA: a read of a replica's copy
         "replica_header_from_pb", "replica_header_to_pb", "replica_hosts_file",
         "replica_link", "replica_owner", "replica_piece_from_pb", "replica_steps",
         "replicas", "replicas_from_pb", "replicas_to_pb"}),

@@ -28,8 +28,8 @@ and says at the commit whether it succeeded, and the sidecars commit), or as DCP
 (:class:`Coordinator`: DCP's own gather and scatter carry the plan and the results, and
 its coordinator rank alone begins, waits for every host and commits). Before a step, the
 processes check they save the same step and share whether a save is in flight
-(:func:`same_step_any_busy`, which the Checkpointer calls). The phases' calls on the sidecars, and the step's
-``save_protocol.Target``, are ``save_protocol``'s.
+(:func:`same_step_any_busy`, which the Checkpointer calls). The phases' calls on the
+sidecars, and the step's ``save_protocol.Target``, are ``save_protocol``'s.
 """
 
 from __future__ import annotations
