@@ -36,7 +36,7 @@ from sidecar._src.controller.checkpoint import ram_drop
 from sidecar._src.controller.checkpoint.checkpointer import Checkpointer
 from sidecar._src.controller.checkpoint.client import CheckpointClient
 from sidecar._src.controller.checkpoint.options import CheckpointOptions, options_or
-from sidecar._src.controller.checkpoint.plugs import key_value_agreement
+from sidecar._src.controller.checkpoint.plugs import key_value_driver
 from sidecar._src.controller.checkpoint.sidecars import SidecarsSnapshot
 from sidecar._src.controller.connection import Connection, HostInfo
 from sidecar._src.controller.feed import Feed, LayoutFactory
@@ -235,7 +235,7 @@ class Controller:
   @property
   def peers(self) -> Peers:
     """This job's trainer processes, for agreements of your own (``all_gather``,
-    ``broadcast``, ``agree``); with one process, trivially itself."""
+    ``broadcast``, ``check_same``); with one process, trivially itself."""
     return self._peers
 
   @property
@@ -489,8 +489,7 @@ class Controller:
     site = self.checkpoint_sidecars()
     ckpt = Checkpointer(
         str(directory), site=site, options=o, peers=self._peers,
-        agreement=key_value_agreement(options=o, peers=self._peers,
-                                      framework=self._framework),
+        driver=key_value_driver(options=o, peers=self._peers, framework=self._framework),
         key=f"ckpt/{self._checkpointers}", sweep=sweep)
     self._children.add(ckpt)
     return ckpt

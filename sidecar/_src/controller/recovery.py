@@ -6,7 +6,9 @@ An exception in a training step (a transient runtime error, a NaN guard, a data 
 need not cost a new process (its teardown, the runtime's init, the compile: 13-16 s on
 a TPU host). The state it needs is in the sidecars' RAM tier, and the feed can be moved
 back to that step's data position. :class:`Recovery` does both, keeping what the process
-holds (its compiled functions, its feed's layout, its connections)::
+holds (its compiled functions, its feed's layout, its connections). Nothing in it is
+JAX's: ``sidecar.jax.Recovery`` is this class, and ``sidecar.torch.Recovery``
+(``torch/recovery.py``) the same with the data position a PyTorch state dict keeps::
 
   recovery = sidecar.jax.Recovery(ckpt, feed, target=abstract_state)
   while step < steps:
@@ -129,6 +131,9 @@ class Recovery:
     error its context.
   """
 
+  # What its notes call it: the public name of the class the user made.
+  public_name = "sidecar.jax.Recovery"
+
   def __init__(self, checkpointer: Checkpointer, feed: Seekable, *, target: Any,
                retries_per_step: int = 1):
     if not isinstance(retries_per_step, int) or isinstance(retries_per_step, bool) or (
@@ -149,7 +154,7 @@ class Recovery:
     self._failures[step] += 1
     if self._failures[step] > self.retries_per_step:
       error.add_note(
-          f"sidecar.jax.Recovery: step {step} failed {self._failures[step]} times in this "
+          f"{self.public_name}: step {step} failed {self._failures[step]} times in this "
           f"process (retries_per_step={self.retries_per_step}): not recovered in-process; "
           "the process ends for its launcher to restart it (sidecar launch --max-restarts)")
       raise error
@@ -164,14 +169,19 @@ class Recovery:
     latest = self._checkpointer.latest_step()
     if latest is None:
       error.add_note(
-          f"sidecar.jax.Recovery: step {step} failed before any step was committed in "
+          f"{self.public_name}: step {step} failed before any step was committed in "
           f"{self._checkpointer.directory}: there is nothing to roll back to in-process; "
           "the process ends for its launcher to restart it")
       raise error
-    # The feed first: its sidecars make the first batch while the state is restored.
-    self._feed.seek(self._checkpointer.data_state(latest))
-    state = self._checkpointer.restore(latest, self._target, progress=False)
+    state = self._restore(latest)
     return self._done(error, step, latest, state, waited=waited, durable=True, t0=t0)
+
+  def _restore(self, step: int) -> Any:
+    """Committed step ``step`` onto the target, the feed moved to its data position (the
+    checkpointer's ``data_state``); returns the state."""
+    # The feed first: its sidecars make the first batch while the state is restored.
+    self._feed.seek(self._checkpointer.data_state(step))
+    return self._checkpointer.restore(step, self._target, progress=False)
 
   def _done(self, error: BaseException, step: int, latest: int, state: Any, *,
             waited: float, durable: bool, t0: float, staged: float = 0.0

@@ -13,8 +13,8 @@ sidecar to sidecar (``replicated``; with R=0 it holds the step at once, as the o
 futures do). A restore takes each shard from wherever a live copy is: the arena of the
 host that staged it, a replica on another sidecar, storage last, each crc32c checked.
 
-What differs between frameworks is in two plugs (``plugs.py``): the agreement (who drives
-the phases and how the processes agree: JAX's key-value store, DCP's coordinator rank)
+What differs between frameworks is in two plugs (``plugs.py``): the driver (who drives
+the phases and how the processes coordinate: JAX's key-value store, DCP's coordinator rank)
 and the framework (how leaves are described, copied and rebuilt).
 """
 
@@ -36,7 +36,7 @@ from sidecar._src.ckptfmt.spec import KeyPath
 from sidecar._src.controller import display, elastic as elastic_lib
 from sidecar._src.controller.checkpoint import fallback as fallback_lib, ram_drop
 from sidecar._src.controller.checkpoint.options import CheckpointOptions
-from sidecar._src.controller.checkpoint.plugs import Agreement, Setup, key_value_agreement
+from sidecar._src.controller.checkpoint.plugs import Driver, Setup, key_value_driver
 from sidecar._src.controller.checkpoint.restore import RestoreStats
 from sidecar._src.controller.checkpoint.retention import Retention
 from sidecar._src.controller.checkpoint.save_protocol import Target
@@ -44,8 +44,8 @@ from sidecar._src.controller.checkpoint.save_run import (
   Durable,
   Ending,
   SaveHandle,
-  agree_on_save,
   done_handle,
+  same_step_any_busy,
 )
 from sidecar._src.controller.checkpoint.sidecars import SidecarsSnapshot, replica_hosts
 from sidecar._src.controller.framework import Framework
@@ -67,7 +67,7 @@ BUSY_WARN_S = 0.5
 # The steps a Checkpointer of this process is saving, by (directory, step), until durable
 # or failed: a second Checkpointer of the directory (of one Controller, whose sidecar
 # session is the same) must not begin the step meanwhile, as the sidecar cannot tell it
-# from a retry. Checked in single-process jobs (where no other process waits to agree).
+# from a retry. Checked in single-process jobs (where no other process waits for it).
 _SAVING: dict[tuple[str, int], Checkpointer] = {}
 _SAVING_LOCK = threading.Lock()
 # This process's own job name, where its environment names none (core/job.py): process 0's
@@ -86,8 +86,8 @@ _ORBAX_MANAGER = deprecation.Moved(
 class Checkpointer:
   """Numbered steps of a training run under ``directory``, through the sidecars.
 
-  Made by ``Controller.checkpointer`` (the key-value agreement and the controller's
-  framework: stock Orbax's layout) or ``sidecar.torch.Checkpointer`` (DCP's agreement and
+  Made by ``Controller.checkpointer`` (the key-value driver and the controller's
+  framework: stock Orbax's layout) or ``sidecar.torch.Checkpointer`` (DCP's driver and
   layout); see there. Under N trainer processes every process makes the same calls.
 
   Args:
@@ -96,16 +96,17 @@ class Checkpointer:
       the hosts, which of them this process drives, where their replicas go.
     options: retention, RAM tier, replicas, ``if_busy``.
     peers: the trainer processes; process 0 decides what all do.
-    agreement: makes the agreement plug (``plugs.Agreement``) for this checkpointer, from
-      what it is told (``plugs.Setup``).
-    key: the prefix of this checkpointer's agreement keys (the same in every process).
+    driver: makes the driver (``plugs.Driver``) for this checkpointer, from what it is
+      told (``plugs.Setup``).
+    key: the prefix of this checkpointer's keys between the processes (the same in every
+      process).
     sweep: whether process 0 removes uncommitted steps at open (False where an Orbax
       manager owns them).
   """
 
   def __init__(self, directory: str | os.PathLike, *, site: SidecarsSnapshot,
                options: CheckpointOptions, peers: Peers,
-               agreement: Callable[[Setup], Agreement], key: str, sweep: bool = True):
+               driver: Callable[[Setup], Driver], key: str, sweep: bool = True):
     self.options = options
     # Absolute here: the sidecars' working directory is not the trainer's.
     self.directory = os.path.abspath(os.fspath(directory))
@@ -134,9 +135,9 @@ class Checkpointer:
                                 max_to_keep=options.max_to_keep,
                                 keep_period=options.keep_period,
                                 steps=list(json.loads(steps)))
-    self._agreement = agreement(Setup(site=site, directory=self.directory, options=options,
-                                      replicas=self.replicas, placement=self.placement,
-                                      steps=self.all_steps))
+    self._driver = driver(Setup(site=site, directory=self.directory, options=options,
+                                replicas=self.replicas, placement=self.placement,
+                                steps=self.all_steps))
     self._saves = self._asked = self._restores = 0
     self.restored_step: int | None = None  # the step the latest restore() returned
     self._in_flight: SaveHandle | None = None
@@ -157,12 +158,11 @@ class Checkpointer:
                 options: CheckpointOptions, peers: Peers, framework: Framework, key: str,
                 sweep: bool = True) -> Checkpointer:
     """Deprecated: ``ctl.checkpointer(directory, ...)`` makes this Checkpointer (the
-    key-value agreement over the controller's framework)."""
+    key-value driver over the controller's framework)."""
     deprecation.warn("sidecar.jax.Checkpointer.key_value",
                      deprecation.Moved("ctl.checkpointer(directory)"))
     return cls(directory, site=site, options=options, peers=peers, key=key, sweep=sweep,
-               agreement=key_value_agreement(options=options, peers=peers,
-                                             framework=framework))
+               driver=key_value_driver(options=options, peers=peers, framework=framework))
 
   def _open(self, hosts: list[int], *, sweep: bool) -> list[list[int]]:
     """Opens the directory on ``hosts`` for this job; the committed steps each lists.
@@ -206,7 +206,7 @@ class Checkpointer:
       self._open(back, sweep=False)
     replicas = site.replicas(self.options.replicas)
     placement = site.placement(replicas)
-    self._agreement = self._agreement.follow(Setup(
+    self._driver = self._driver.follow(Setup(
         site=site, directory=self.directory, options=self.options, replicas=replicas,
         placement=placement, steps=self.all_steps))
     self._retention.rehost(site.local)
@@ -297,11 +297,11 @@ class Checkpointer:
     self._follow()
     previous = self._in_flight
     busy = previous is not None and not previous.durable.done()
-    # Every process must take the same decision on the same step: one agreement per
+    # Every process must take the same decision on the same step: one exchange per
     # save() call, skipped or not (a skip reusing the next save's key read stale values).
     self._asked += 1
-    busy = agree_on_save(self._peers, f"{self._key}/ask/{self._asked}", step, busy,
-                         what=f"save {self._asked} in {self.directory}")
+    busy = same_step_any_busy(self._peers, f"{self._key}/ask/{self._asked}", step, busy,
+                              what=f"save {self._asked} in {self.directory}")
     if busy:
       if self.options.if_busy == "skip":
         return done_handle(step, None)
@@ -322,7 +322,7 @@ class Checkpointer:
               "the interval between saves (see the sidecar's log, 'step N: wrote ... in ... "
               "s'): save less often, or pass if_busy='skip'", step, self.directory, waited,
               previous.step, extra={"step": step})
-    # Every process's earlier saves have ended here (busy is the processes' agreement):
+    # Every process's earlier saves have ended here (busy is the processes' one decision):
     # all raise an earlier failure alike.
     self._raise_failures(f"save({step})", skipped=step)
     if step in (steps := self.all_steps()):  # whatever the framework: never replaced
@@ -331,7 +331,7 @@ class Checkpointer:
           "save never replaces a committed step: to resume, restore the latest "
           f"(latest_step() is {steps[-1]}) and save the steps after it, or save this run "
           "in a new directory")
-    handle = self._start(self._agreement.target(self.directory, step), tree, data_state)
+    handle = self._start(self._driver.target(self.directory, step), tree, data_state)
     self._in_flight = handle
     elastic_lib.at_save(handle)  # under retry(grow=True): hosts back end the attempt here
     return handle
@@ -355,9 +355,9 @@ class Checkpointer:
     if not self.replicas:  # the same for every framework: it holds the step at once
       handle.replicated.set_result(target.step)
     # The save's end (listed, durable, old steps deleted, replicated) runs on the save's
-    # own thread (``SaveRun.end``); ``wait`` and ``close`` join it (``Agreement.join``).
+    # own thread (``SaveRun.end``); ``wait`` and ``close`` join it (``Driver.join``).
     try:
-      self._agreement.start(target, tree, data_state_json=data_json,
+      self._driver.start(target, tree, data_state_json=data_json,
                             ending=Ending(handle, self._peers, key, self._retention))
     except BaseException:  # raised here: told, not to be raised again
       with self._unreported_lock:
@@ -437,7 +437,7 @@ class Checkpointer:
 
     def attempt(s: int) -> Any:
       with progress_lib.lines(progress, f"restoring step {s}") as report:
-        return self._agreement.restore(s, target, progress=report)
+        return self._driver.restore(s, target, progress=report)
 
     restored = fallback_lib.restore(steps, attempt, fallback=fallback, intact=self._intact,
                                     peers=self._peers, key=f"{key}/try",
@@ -451,13 +451,13 @@ class Checkpointer:
   def _intact(self, step: int) -> bool:
     """Whether ``step``'s manifest and stored metadata check (the sidecar's Info, which
     raises where they do not); none of its shards is read."""
-    final_dir = self._agreement.target(self.directory, step).final_dir
+    final_dir = self._driver.target(self.directory, step).final_dir
     interrupts.wait(self._client.info(self._local[0], final_dir))
     return True
 
   def last_restore_stats(self) -> RestoreStats | None:
     """Where the shards of this process's latest successful restore came from."""
-    return self._agreement.last_restore_stats()
+    return self._driver.last_restore_stats()
 
   def _log_restore(self) -> None:
     """Logs where the latest restore's shards came from."""
@@ -474,7 +474,7 @@ class Checkpointer:
   def data_state(self, step: int | None = None) -> dict[str, Any] | None:
     """The data position saved with ``step`` (default: the latest), or None."""
     self._follow()
-    return self._agreement.data_state(self._pick(step))
+    return self._driver.data_state(self._pick(step))
 
   def _pick(self, step: int | None) -> int:
     steps = self.all_steps()
@@ -575,7 +575,7 @@ class Checkpointer:
   def _join(self) -> None:
     """Waits until every save this process began has ended (its ``end`` ran: durable or
     failed, old steps deleted, replication settled)."""
-    self._agreement.join()  # every save's thread, which ends it
+    self._driver.join()  # every save's thread, which ends it
 
   def _progress_line(self, step: int) -> str | None:
     """How much of ``step`` is durable; None until a sidecar has begun writing it."""
@@ -684,7 +684,7 @@ def save_item(ckpt: Checkpointer, target: Target, tree: Any) -> SaveHandle:
 def item_committed(ckpt: Checkpointer, target: Target) -> None:
   """Tells the RAM tiers that ``target``'s step is committed (by the manager, its item
   now at its final path, the RAM tier's key); lists a whole step (``target.whole_step``)."""
-  ckpt._agreement.mark_committed(target)
+  ckpt._driver.mark_committed(target)
   if target.whole_step:
     ckpt._retention.add(target.step)
 
@@ -693,7 +693,7 @@ def restore_item(ckpt: Checkpointer, final_dir: str, step: int, target: Any, *,
                  progress: Callable[[str], None] | None = None) -> Any:
   """Restores the committed item at ``final_dir`` (of step ``step``) onto ``target``'s
   shardings."""
-  tree = ckpt._agreement.restore_from(final_dir, step, target, progress=progress)
+  tree = ckpt._driver.restore_from(final_dir, step, target, progress=progress)
   ckpt._log_restore()
   return tree
 
@@ -728,7 +728,7 @@ def restore_taken_over(ckpt: Checkpointer, target: Any
     return None
   restored = None
   try:
-    restored = ckpt._agreement.restore_taken_over(step, target)
+    restored = ckpt._driver.restore_taken_over(step, target)
   except errors.SidecarError as e:  # its text only: its frames would hold the blocks read
     log.warning("step %d, taken over by the sidecars, could not be restored from their RAM "
                 "tiers (%s: %s): rolling back to a committed step", step,

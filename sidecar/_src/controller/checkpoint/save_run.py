@@ -1,10 +1,10 @@
 """One save step, whichever framework drives it: :class:`SaveRun`.
 
 A save step is one object from begin to its end, and both frameworks call the same
-methods on it: the key-value path (``plugs.SaveCoordinator``: JAX's and the numpy core's)
+methods on it: the key-value path (``plugs.SaveRunner``: JAX's and the numpy core's)
 from its finisher thread, DCP's ``torch/storage.StorageWriter`` from its hooks
 (``prepare_global_plan`` begins, ``write_data`` stages, ``finish`` finishes, and
-``torch/checkpointer.DcpAgreement`` ends it once DCP's upload ended):
+``torch/checkpointer.DcpDriver`` ends it once DCP's upload ended):
 
 - :meth:`SaveRun.begin`: the step's tmp directory (the lead process's sidecar answers it);
 - :meth:`SaveRun.stage` (lots a finisher is handed) or :meth:`SaveRun.stage_copies`
@@ -27,9 +27,9 @@ key-value store (:class:`KeyValue`: process 0 begins, every process stages its o
 and says at the commit whether it succeeded, and the sidecars commit), or as DCP does it
 (:class:`Coordinator`: DCP's own gather and scatter carry the plan and the results, and
 its coordinator rank alone begins, waits for every host and commits). Before a step, the
-processes agree on it and on whether a save is in flight (:func:`agree_on_save`, which the
-Checkpointer calls). The phases' calls on the sidecars, and the step's
-``save_protocol.Target``, are ``save_protocol``'s.
+processes check they save the same step and share whether a save is in flight
+(:func:`same_step_any_busy`, which the Checkpointer calls). The phases' calls on the
+sidecars, and the step's ``save_protocol.Target``, are ``save_protocol``'s.
 """
 
 from __future__ import annotations
@@ -535,7 +535,7 @@ def _gathered(d: dict, process: int, note: str) -> errors.SidecarError:
   return error
 
 
-def agree_on_save(peers: Peers, key: str, step: int, busy: bool, *, what: str) -> bool:
+def same_step_any_busy(peers: Peers, key: str, step: int, busy: bool, *, what: str) -> bool:
   """Checks every process saves ``step`` (raises in every process if not); returns
   whether any process has a save in flight, so that all take the same busy decision
   (``if_busy``: wait for it, or skip this save)."""

@@ -201,7 +201,7 @@ class SlowReplicas(FakeSidecars):
 
 def test_close_joins_an_older_saves_finisher_still_settling_its_replication():
   """With replicas, save 1's finisher waits for its replication after durable, while
-  save 2 runs: it was no longer the SaveCoordinator's, and close() did not wait for it."""
+  save 2 runs: it was no longer the SaveRunner's, and close() did not wait for it."""
   fake = SlowReplicas(hosts=(0, 1))
   ckpt = checkpointer(fake, hosts=[0, 1], replicas=1)
   assert ckpt.save(1, {"x": np.ones(3, np.float32)}).durable.result(30) == 1
