@@ -9,7 +9,11 @@ import numpy as np
 import pytest
 
 from sidecar._src.ckptfmt import registry as formats_lib
-from sidecar._src.controller.checkpoint import checkpointer as checkpointer_lib
+from sidecar._src.controller.checkpoint import (
+  checkpointer as checkpointer_lib,
+  orbax_items,
+  rollback,
+)
 from sidecar._src.controller.checkpoint.options import CheckpointOptions
 from sidecar._src.controller.checkpoint.save_protocol import Target
 from sidecar._src.controller.checkpoint.sidecars import SidecarsSnapshot
@@ -63,7 +67,7 @@ def test_a_save_after_a_skipped_one_agrees_on_its_own_step_in_every_process():
 
 def rollbacks_in_two_processes(fake):
   """Each of two processes saves step 1 (its writes held: not durable) and rolls back to
-  the step taken over (``checkpointer.restore_taken_over``); their answers."""
+  the step taken over (``rollback.restore_taken_over``); their answers."""
   store, outcomes, latest = {}, [None, None], ["?", "?"]
   both = threading.Barrier(2)
 
@@ -71,7 +75,7 @@ def rollbacks_in_two_processes(fake):
     with checkpointer(fake, hosts=[0, 1], local=[p], peers=DictPeers(store, p, 2)) as ckpt:
       ckpt.save(1, {"x": np.full(3, 7, np.float32)}, data_state={"at": 1})
       try:
-        got = checkpointer_lib.restore_taken_over(ckpt, {"x": np.zeros(3, np.float32)})
+        got = rollback.restore_taken_over(ckpt, {"x": np.zeros(3, np.float32)})
         outcomes[p] = got if got is None else (got[0], got[1]["x"].tolist(), got[2])
         latest[p] = ckpt.latest_step()
         both.wait(30)  # neither lets the writes go before both rolled back
@@ -329,11 +333,11 @@ def test_an_orbax_managers_item_through_the_integrations_seam():
   fake, state = FakeSidecars(), {"w": np.arange(6, dtype=np.float32)}
   with checkpointer(fake) as ckpt:
     target = item_target(3)
-    assert checkpointer_lib.save_item(ckpt, target, state).durable.result(30) == 3
-    checkpointer_lib.item_committed(ckpt, target)
+    assert orbax_items.save_item(ckpt, target, state).durable.result(30) == 3
+    orbax_items.item_committed(ckpt, target)
     assert (0, "/ckpt/run/3/state") in [(h, d) for h, d, *_ in fake.told]
     assert ckpt.all_steps() == []  # the manager lists its steps, not this checkpointer
-    restored = checkpointer_lib.restore_item(ckpt, "/ckpt/run/3/state", 3,
+    restored = orbax_items.restore_item(ckpt, "/ckpt/run/3/state", 3,
                                              {"w": np.zeros(6, np.float32)})
     np.testing.assert_array_equal(restored["w"], state["w"])
 
