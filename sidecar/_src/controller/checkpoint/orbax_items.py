@@ -17,7 +17,9 @@ from sidecar._src.controller.checkpoint.save_run import SaveHandle
 
 def save_item(ckpt: Checkpointer, target: Target, tree: Any) -> SaveHandle:
   """Copies ``tree`` into the arenas; the sidecars write ``target``, an item of a step
-  the manager commits (``Target.in_step``)."""
+  the manager commits (``Target.in_step``). On the controller's live hosts, as ``save``:
+  a host lost since the last save is left out, a host back has the directory opened."""
+  ckpt._follow()
   return ckpt._start(target, tree, None)
 
 

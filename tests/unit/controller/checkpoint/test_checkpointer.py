@@ -338,8 +338,23 @@ def test_an_orbax_managers_item_through_the_integrations_seam():
     assert (0, "/ckpt/run/3/state") in [(h, d) for h, d, *_ in fake.told]
     assert ckpt.all_steps() == []  # the manager lists its steps, not this checkpointer
     restored = orbax_items.restore_item(ckpt, "/ckpt/run/3/state", 3,
-                                             {"w": np.zeros(6, np.float32)})
+                                        {"w": np.zeros(6, np.float32)})
     np.testing.assert_array_equal(restored["w"], state["w"])
+
+
+def test_an_orbax_managers_item_is_saved_on_the_live_hosts_a_loss_leaves():
+  """Issue 69: an Orbax manager's item follows the controller's live hosts as save()
+  does: once host 2 is seen lost, the next item is saved on hosts 0 and 1 only (before,
+  it was addressed to the dead host 2 and failed)."""
+  fake, watch = FakeSidecars(hosts=(0, 1, 2)), [0, 1, 2]
+  state = {"x": np.full(3, 1, np.float32)}
+  with checkpointer(fake, live=lambda: tuple(watch)) as ckpt:
+    assert orbax_items.save_item(ckpt, item_target(1), state).durable.result(30) == 1
+    fake.hosts.remove(2)  # its sidecar dies, and the watch sees it
+    watch.remove(2)
+    fake.calls.clear()
+    assert orbax_items.save_item(ckpt, item_target(2), state).durable.result(30) == 2
+    assert {h for _, h in fake.calls} == {0, 1} and ("stage", 1) in fake.calls
 
 
 def test_the_orbax_managers_old_doors_warn_and_still_work():
