@@ -47,6 +47,7 @@ SAME = {
         "_peers",
         "controller/checkpoint/checkpointer.py:peers",
         "controller/checkpoint/fallback.py:peers",
+        "controller/checkpoint/holds.py:peers",
         "controller/checkpoint/plugs.py:peers",
         "controller/checkpoint/save_run.py:peers",
         "controller/controller.py:peers",

@@ -37,7 +37,8 @@ import time
 import traceback
 from typing import Any, Protocol
 
-from sidecar._src.controller.checkpoint.checkpointer import Checkpointer, restore_taken_over
+from sidecar._src.controller.checkpoint.checkpointer import Checkpointer
+from sidecar._src.controller.checkpoint.rollback import restore_taken_over
 from sidecar._src.core import errors, interrupts
 
 log = logging.getLogger(__name__)
