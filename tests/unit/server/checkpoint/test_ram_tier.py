@@ -296,3 +296,127 @@ def test_a_replica_is_assembled_made_whole_and_replaces_the_one_held(tier, arena
   assert new.whole and new.committed and new.replaces is None and list(new.shards) == [key]
   with pytest.raises(TypeError):
     new.shards[key] = entry[0]  # a read-only view
+
+
+# ---- the tier behind its methods: queries and commands, its lock its own ------------
+
+
+def test_its_maps_and_its_lock_are_its_own(tier):
+  """Nothing outside reads or writes what it holds, or takes its lock: only methods."""
+  assert [n for n in vars(tier) if not n.startswith("_")] == ["host_id", "uncommitted_s"]
+  assert not hasattr(tier, "lock")
+
+
+def test_queries_find_steps_by_item_tmp_dir_and_state(tier, arena):
+  uncommitted = add_step(tier, arena, 1)  # written, commit not yet in
+  writing = add_step(tier, arena, 2, done=False)
+  committed = add_step(tier, arena, 3, committed=True)
+  pending = add_step(tier, arena, 4)
+  pending.take_over()  # the sidecars commit it
+  other = add_step(tier, arena, 5, directory="/ck/other", done=False)
+  assert tier.find(item(1)) is uncommitted and tier.find(item(9)) is None
+  assert tier.find_tmp(f"{item(2)}.tmp") is writing and tier.find_tmp(item(2)) is None
+  assert tier.holds(committed) and not tier.holds(make_step(D, 3, item(3), {}))
+  assert tier.in_flight(D) == [writing, pending] and tier.in_flight() == [writing, pending,
+                                                                          other]
+  assert tier.writing() == [writing, other]
+  assert tier.pending_commits(D) == [pending] and tier.pending_commits("/ck/other") == []
+  assert tier.steps(lambda s: s.committed) == [committed]
+  add_replica(tier, arena, 3, source=2, committed=True)
+  (replica,) = tier.replicas()
+  assert tier.copies_of(item(3)) == [committed, replica] and tier.copies_of(item(8)) == []
+  assert tier.replica_with(item(3), ShardId(("w",), ((0, 1),))) is replica
+  assert tier.replica_with(item(3), ShardId(("w",), ((1, 2),))) is None
+
+
+def test_a_slot_checks_and_holds_a_step_in_one_look(tier, arena):
+  """A Stage's look at an item: the tier's lock is held for the block (nothing else looks
+  meanwhile), and a new step held there drops the one before it."""
+  old = add_step(tier, arena, 1)  # its write ended: a save of the step again replaces it
+  with tier.slot(item(1)) as slot:
+    assert slot.step is old
+    assert tier.holdings(timeout=0) is None  # its lock is held: no one else looks
+    new = make_step(D, 1, item(1), {}, written=False, staged=False)
+    slot.hold(new)
+    assert slot.step is new
+  assert tier.find(item(1)) is new and old.phase is step_lib.Phase.DROPPED
+  with tier.slot(item(2)) as slot:
+    assert slot.step is None
+  assert tier.holdings(timeout=0) is not None
+
+
+def test_replicas_are_received_replaced_and_discarded_by_its_commands(tier, arena):
+  key = ShardId(("w",), ((0, 1),))
+  first = tier.open_replica(D, 1, item(1), 2)  # received: held at once, not whole
+  assert tier.replicas() == [first]
+  tier.discard_partial(first)  # its stream broke
+  assert tier.replicas() == []
+  first = tier.open_replica(D, 1, item(1), 2)
+  tier.add_replica_shard(first, key, staged(arena))
+  assert tier.replica_whole(first) and tier.replicas() == [first] and first.whole
+  tier.mark_committed(item(1))
+  again = tier.open_replica(D, 1, item(1), 2)  # sent again: replaces the whole one once whole
+  assert again.replaces is first and tier.replicas() == [first]
+  tier.discard_partial(again)  # not held: the whole one stays
+  assert tier.replicas() == [first]
+  entry = tier.replica_piece(again, key, lambda: staged(arena))
+  assert tier.replica_piece_received(again, key, entry, KB)
+  tier.add_replica_shard(again, key, entry[0])
+  assert tier.replica_whole(again) and tier.replicas() == [again] and again.committed
+  tier.discard_partial(again)  # whole: it stays
+  assert tier.replicas() == [again]
+  tier.drop(D, 1)  # its step is forgotten: a replica of it arriving late is dropped then
+  late = tier.open_replica(D, 1, item(1), 3)
+  tier.add_replica_shard(late, key, staged(arena))
+  assert tier.replica_whole(late) and tier.replicas() == [] and late.committed
+  assert tier.committed_items() == {item(1): False}
+
+
+def test_a_replica_held_in_place_replaces_any_of_its_step_and_source(tier, arena):
+  add_replica(tier, arena, 1, source=2)
+  (old,) = tier.replicas()
+  new = ram_tier.Replica(D, 1, item(1), 2)
+  tier.hold_replica(new)
+  assert tier.replicas() == [new] and old is not new
+
+
+def test_a_directory_s_ram_steps_and_group_are_configured_by_command(arena):
+  tier = ram_tier.RamTier(0, uncommitted_s=3600.0, group_budget={"alice": 10 * KB}.get)
+  assert tier.ram_steps_of(D) == (1, None)  # one step, no budget, until configured
+  tier.configure(D, 2, 4 * KB)
+  assert tier.ram_steps_of(D) == (2, 4 * KB)
+  tier.set_group(D, "alice")
+  assert [commit(tier, arena, s) for s in (1, 2, 3)] == [[1], [1, 2], [2, 3]]
+  assert tier.group_use() == {"alice": (0, 2 * KB)}
+  tier.configure(D, 0, None)  # reopened with ram_steps=0: its copies go at once
+  assert tier.evict(D) == [] and tier.steps() == [] and used_blocks(arena) == 0
+
+
+def test_it_gives_way_in_one_look_and_releases_a_client_s_directories(tier, arena):
+  tier.configure(D, 5, None)
+  for step in (1, 2):
+    commit(tier, arena, step)
+  add_step(tier, arena, 3)  # not committed: never released
+  commit(tier, arena, 4, directory="/ck/other")
+  seen = []
+
+  def choose(held):
+    seen.append((sorted(s.step for s in held.steps), held.commits, held.group_of(D)))
+    return [(D, 1)]
+
+  assert tier.give_way(choose)
+  assert seen == [([1, 2, 3, 4], (item(1), item(2), "/ck/other/4/default"), None)]
+  assert sorted(s.step for s in tier.steps()) == [2, 3, 4]
+  with tier.slot(item(9)):  # busy: nothing is chosen
+    assert not tier.give_way(lambda held: pytest.fail("chose while busy"), timeout=0)
+  assert tier.release(lambda d: d == D) == 1  # step 2; step 3 is not committed
+  assert sorted(s.step for s in tier.steps()) == [3, 4]
+
+
+def test_a_manifest_is_kept_with_the_step_and_its_replicas(tier, arena):
+  own = add_step(tier, arena, 1, committed=True)
+  add_replica(tier, arena, 1, source=2, committed=True)
+  manifest = object()  # kept as it is, never read here
+  tier.keep_manifest(item(1), manifest)
+  assert [c.manifest for c in tier.copies_of(item(1))] == [manifest, manifest]
+  assert own.manifest is manifest
