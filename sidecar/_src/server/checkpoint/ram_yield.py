@@ -20,7 +20,8 @@ from collections.abc import Callable
 
 from sidecar._src.arena import shm
 from sidecar._src.server import metrics as metrics_lib
-from sidecar._src.server.checkpoint.ram_tier import Holdings, RamTier, Replica
+from sidecar._src.server.checkpoint.copies import Replica
+from sidecar._src.server.checkpoint.ram_tier import Holdings, RamTier
 from sidecar._src.server.checkpoint.step import DURABLE, Step
 
 log = logging.getLogger(__name__)
@@ -50,20 +51,20 @@ def _state(held: Step | Replica) -> str:
   return held.view().copy
 
 
-def copies(tier: Holdings) -> list[Copy]:
-  """The copies a RAM tier holds (``RamTier.holdings``): durable ones oldest commit first,
+def copies(holdings: Holdings) -> list[Copy]:
+  """The copies a RAM tier holds (``RamTier.look``, ``give_way``): durable ones oldest commit first,
   then the others by step."""
   merged: dict[tuple[str, int], list] = {}  # (directory, step) -> [bytes, state, final_dir]
-  held: list[Step | Replica] = [*tier.steps, *tier.replicas]
+  held: list[Step | Replica] = [*holdings.steps, *holdings.replicas]
   for one in held:
     entry = merged.setdefault((one.directory, one.step), [0, DURABLE, one.final_dir])
     entry[0] += one.nbytes
     if entry[1] == DURABLE:  # durable once every part is
       entry[1] = _state(one)
-  commits = {final_dir: i for i, final_dir in enumerate(tier.commits)}
+  commits = {final_dir: i for i, final_dir in enumerate(holdings.commits)}
   order = sorted(merged, key=lambda k: (merged[k][1] != DURABLE,
                                         commits.get(merged[k][2], len(commits)), k[1]))
-  return [Copy(directory, step, merged[directory, step][0], tier.group_of(directory),
+  return [Copy(directory, step, merged[directory, step][0], holdings.group_of(directory),
                merged[directory, step][1])
           for directory, step in order]
 
@@ -175,7 +176,7 @@ class Yielding:
   def describe(self, visible: Callable[[str], bool] | None = None) -> str:
     """What the RAM tier holds, for an error about a full arena; ``visible``: as
     :func:`describe`'s."""
-    held = self._tier.holdings(timeout=LOCK_WAIT_S)
+    held = self._tier.look(copies, timeout=LOCK_WAIT_S)
     if held is None:
       return "RAM-tier steps: (busy, not listed)"
-    return describe(copies(held), visible)
+    return describe(held, visible)

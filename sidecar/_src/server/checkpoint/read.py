@@ -31,7 +31,7 @@ from sidecar._src.ckptfmt import records, registry as formats_lib
 from sidecar._src.ckptfmt.records import MANIFEST_FILE, Manifest, ShardRecord
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
-from sidecar._src.server.checkpoint import faults, ram_tier, step as step_lib
+from sidecar._src.server.checkpoint import copies, faults, ram_tier, step as step_lib
 from sidecar._src.user import outputs
 
 log = logging.getLogger(__name__)
@@ -178,7 +178,7 @@ class Reader:
           f"tier must be 'any', 'ram', 'replica' or 'disk', got {tier!r}")
     shard = record.id
     if tier in ("any", "ram", "replica"):
-      held: step_lib.Step | ram_tier.Replica | None = None
+      held: step_lib.Step | copies.Replica | None = None
       if tier == "replica":
         held = self._tier.replica_with(final_dir, shard)
       else:
@@ -206,7 +206,7 @@ class Reader:
           log.warning("%s; reading the stored copy instead", e)
         else:
           self._metrics.restored_bytes(
-              "replica" if isinstance(held, ram_tier.Replica) else "ram", out.nbytes)
+              "replica" if isinstance(held, copies.Replica) else "ram", out.nbytes)
           return out
       elif tier != "any":
         raise errors.InvalidArgumentError(

@@ -4,7 +4,7 @@
 step to its replica hosts (``links.ReplicaLink``), on an idle-class thread, while the
 write goes on; they are named by host id, their addresses come from this sidecar's own
 ``--replica-hosts`` (``links.ReplicaHosts``). Each takes them with ``receive`` (the
-``Receive`` stream, one per replica) and keeps it as a ``ram_tier.Replica`` (the step's
+``Receive`` stream, one per replica) and keeps it as a ``copies.Replica`` (the step's
 item, the source host, the shards) in its RAM tier. A replica carries its tenant (the one this
 sidecar authenticated); the receiver counts it against that tenant's arena and RAM-tier quota
 (``accept``), toward its ``ram_budget``, and it leaves with its step: eviction by
@@ -32,6 +32,7 @@ from sidecar._src.ckptfmt.records import (
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
 from sidecar._src.server.checkpoint import (
+  copies,
   faults,
   links as links_lib,
   ram_tier,
@@ -93,7 +94,7 @@ class Replicator:
     own.wait_whole(timeout)  # processes sharing this host: wait for them all
     try:
       job, made = own.start_replication(
-          lambda: step_lib.Replication(targets, bandwidth, tenant=tenant))
+          lambda: copies.Replication(targets, bandwidth, tenant=tenant))
     except step_lib.StateError:  # not whole (staging, failed before it was), or dropped
       if own.phase is step_lib.Phase.DROPPED:
         raise
@@ -112,7 +113,7 @@ class Replicator:
     assert job.result is not None
     return job.result
 
-  def _replicate(self, own: step_lib.Step, job: step_lib.Replication) -> None:
+  def _replicate(self, own: step_lib.Step, job: copies.Replication) -> None:
     direct_io.background_thread()
     t0 = time.perf_counter()
     shards = own.staged()
@@ -142,7 +143,7 @@ class Replicator:
     shards.clear()
     job.succeeded(result)
 
-  def open_replica(self, header: ReplicaHeader, tenant: str | None = None) -> ram_tier.Replica:
+  def open_replica(self, header: ReplicaHeader, tenant: str | None = None) -> copies.Replica:
     """A new replica for one stream of another sidecar's shards (``header`` names them,
     ``tenant`` whose they are: the sending sidecar says, checked by ``accept``).
 
@@ -158,7 +159,7 @@ class Replicator:
     self._accept(tenant, directory)
     return self._tier.open_replica(directory, step, final_dir, source)
 
-  def receive(self, replica: ram_tier.Replica, blocks: Sequence[Staged],
+  def receive(self, replica: copies.Replica, blocks: Sequence[Staged],
               piece: ReplicaPiece | None = None, payload: np.ndarray | None = None, *,
               done: bool = False) -> int:
     """Takes shards another sidecar sends (``links.ReplicaLink``) into ``replica``
@@ -197,11 +198,11 @@ class Replicator:
                len(replica.shards), shm.format_size(replica.nbytes), extra={"step": step})
     return replica.nbytes
 
-  def drop_partial(self, replica: ram_tier.Replica) -> None:
+  def drop_partial(self, replica: copies.Replica) -> None:
     """Forgets ``replica`` if it is not whole, and only it: not a newer stream's."""
     self._tier.discard_partial(replica)
 
-  def _add_shard(self, replica: ram_tier.Replica, record: ShardRecord, data: np.ndarray
+  def _add_shard(self, replica: copies.Replica, record: ShardRecord, data: np.ndarray
                  ) -> None:
     """Adds a whole shard, if it has the crc32c its sender computed (its record's)."""
     key, crc32c = record.id, record.crc32c

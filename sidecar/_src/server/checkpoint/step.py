@@ -32,7 +32,7 @@ Beside the phase, two things run along with it:
   (``ram_tier.RamTier.mark_committed``), whether or not its trainers are there. Only the
   step holds whether it was taken over.
 - **replication** (``replication.Replicator``): ``start_replication`` once STAGED (once
-  per step), its :class:`Replication` ending ``succeeded`` or ``failed``, cancelled by
+  per step), its ``copies.Replication`` ending ``succeeded`` or ``failed``, cancelled by
   ``drop`` and ``stop``.
 
 A transition from a phase it does not leave raises :class:`StateError` (an internal
@@ -87,14 +87,13 @@ from sidecar._src.ckptfmt.records import (
   AgreePhase,
   CommitPlan,
   Manifest,
-  ReplicaTarget,
-  Replicated,
   ShardId,
   ShardRecord,
   Staged,
 )
 from sidecar._src.ckptfmt.spec import LeafSpec
 from sidecar._src.core import errors
+from sidecar._src.server.checkpoint.copies import Replication, StepCopy
 
 
 class Phase(enum.Enum):
@@ -186,7 +185,7 @@ def _row(phase: Phase, takeover: Takeover) -> View:
 
 
 # Every outside view of a step, by (phase, takeover): the one table.
-VIEWS: dict[tuple[Phase, Takeover], View] = {
+VIEWS = {
     (phase, takeover): _row(phase, takeover) for phase in Phase for takeover in Takeover}
 
 
@@ -202,50 +201,6 @@ _DRAIN_OF = {frozenset(v.lists): v.drain for v in VIEWS.values() if v.lists}
 
 class StateError(errors.SidecarError, RuntimeError):
   """A transition from a phase a step does not leave that way: a bug of its caller."""
-
-
-class Replication:
-  """This host's shards of one step on their way to its replica hosts (``receivers``).
-
-  ``succeeded``/``failed`` end it (its sending thread's); ``cancel`` asks it to stop.
-  """
-
-  def __init__(self, receivers: Sequence[ReplicaTarget], bandwidth: int | None = None, *,
-               tenant: str | None = None):
-    self.receivers: tuple[ReplicaTarget, ...] = tuple(receivers)
-    self.bandwidth = bandwidth  # bytes per second, each receiver's copy in turn
-    self.tenant = tenant  # whose shards (its replicas carry it), as this sidecar knows
-    self._done = threading.Event()
-    self._cancelled = threading.Event()
-    self._result: Replicated | None = None
-    self._error: BaseException | None = None
-
-  @property
-  def result(self) -> Replicated | None:
-    return self._result
-
-  @property
-  def error(self) -> BaseException | None:
-    return self._error
-
-  @property
-  def cancelled(self) -> bool:
-    return self._cancelled.is_set()
-
-  def cancel(self) -> None:
-    self._cancelled.set()
-
-  def wait(self, timeout: float | None) -> bool:
-    """Waits for its end; whether it ended."""
-    return self._done.wait(timeout)
-
-  def succeeded(self, result: Replicated) -> None:
-    self._result = result
-    self._done.set()
-
-  def failed(self, error: BaseException) -> None:
-    self._error = error
-    self._done.set()
 
 
 class _Bytes(Mapping[ShardId, np.ndarray]):
@@ -266,27 +221,6 @@ class _Bytes(Mapping[ShardId, np.ndarray]):
 
   def __len__(self) -> int:
     return len(self._staged)
-
-
-class StepCopy:
-  """A step's copy on this host, read-only: which step of which checkpoint directory, and
-  its committed item directory (``final_dir``: its key in the RAM tier). A :class:`Step`
-  (this host's own shards) and a ``ram_tier.Replica`` (another host's) are both."""
-
-  def __init__(self, directory: str, step: int, final_dir: str):
-    self._directory, self._step, self._final_dir = directory, step, final_dir
-
-  @property
-  def directory(self) -> str:
-    return self._directory
-
-  @property
-  def step(self) -> int:
-    return self._step
-
-  @property
-  def final_dir(self) -> str:
-    return self._final_dir
 
 
 class Step(StepCopy):

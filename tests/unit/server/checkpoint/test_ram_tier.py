@@ -335,14 +335,14 @@ def test_a_slot_checks_and_holds_a_step_in_one_look(tier, arena):
   old = add_step(tier, arena, 1)  # its write ended: a save of the step again replaces it
   with tier.slot(item(1)) as slot:
     assert slot.step is old
-    assert tier.holdings(timeout=0) is None  # its lock is held: no one else looks
+    assert tier.look(lambda held: held, timeout=0) is None  # its lock is held: no one else looks
     new = make_step(D, 1, item(1), {}, written=False, staged=False)
     slot.hold(new)
     assert slot.step is new
   assert tier.find(item(1)) is new and old.phase is step_lib.Phase.DROPPED
   with tier.slot(item(2)) as slot:
     assert slot.step is None
-  assert tier.holdings(timeout=0) is not None
+  assert tier.look(lambda held: held, timeout=0) is not None
 
 
 def test_replicas_are_received_replaced_and_discarded_by_its_commands(tier, arena):
