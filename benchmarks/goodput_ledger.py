@@ -37,6 +37,8 @@ import json
 import statistics
 from collections.abc import Sequence
 
+from sidecar._src.core import goodput as goodput_lib
+
 CATEGORIES = ("launch", "startup", "redone", "stall", "rollback", "gap", "other")
 KINDS = ("kill", "hang", "error")  # the failures a benchmark injects
 CHARGED = ("startup", "redone", "stall", "rollback", "gap")  # what a failure is charged
@@ -77,19 +79,13 @@ class Cost:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Account:
-  wall_s: float
-  productive_s: float
-  badput_s: dict[str, float]
+class Account(goodput_lib.Split):
+  """The job's time as seen from outside (:func:`account`), with each failure's cost."""
   failures: int
   steps: int  # the final lineage's last step
   rates: tuple[float, ...]  # steps/s of each process between its first and last line
   startups: tuple[float, ...]  # each process's startup, seconds
   costs: tuple[Cost, ...] = ()  # each failure's, in order
-
-  @property
-  def goodput(self) -> float:
-    return self.productive_s / self.wall_s if self.wall_s > 0 else 0.0
 
   def per_failure(self) -> dict[str, float]:
     """Badput per failure, by category: what the failures were charged, over their

@@ -2,6 +2,7 @@
 
   python -m benchmarks.recover [--config tiny|chip] [--rounds 2] [--fail-at 27]
                                [--save-every 10] [--steps 40] [--data DIR]
+                               [--ways in-process,restart,standby]
 
 From the repository root; not run by CI. examples/lm/train.py trains under ``sidecar
 launch --hosts 1`` and raises in step ``--fail-at`` (its ``--fail-at`` hook: after the
@@ -18,8 +19,9 @@ Rows, seconds from the exception (the trainer's line ``fault: raising in step N 
 unix T``) to the first step computed after it (its metrics line: when its loss was
 ready), and to the failed step computed again (the steps re-done from the restored
 one included). For in-process, the Rollback's own figures beside them: its whole
-``recover()``, the restore, the wait for a save in flight. Prints a table and one JSON
-line.
+``recover()``; the wait for a save in flight to be staged (its copy off the devices) where
+the sidecars took it over and it is restored from their RAM tier; the restore; the wait
+for a save in flight to be durable where they had not. Prints a table and one JSON line.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ LAUNCH = {"in-process": [], "restart": ["--max-restarts", "1"],
           "standby": ["--max-restarts", "1", "--standby", "--preload", "optax",
                       "--preload", "sidecar.jax"]}
 FAULT = re.compile(r"fault: raising in step (\d+) \(--fail-at\) at unix ([\d.]+)")
-ROLLBACK = re.compile(r"restored in ([\d.]+) s(?:, ([\d.]+) s waiting for the save in flight)?"
+ROLLBACK = re.compile(r"(taken over and not durable yet, ([\d.]+) s waiting for its copy, )?"
+                      r"restored in ([\d.]+) s(?:, ([\d.]+) s waiting for the save in flight)?"
                       r"\) in ([\d.]+) s")
 
 
@@ -76,8 +79,9 @@ def run(way: str, *, config: str, data: str, work: str, fail_at: int, save_every
             "failed_step_again_s": next(x["time"] for x in after if x["step"] == fail_at) - t,
             "restored_step": after[0]["step"] - 1}
   if (rolled := ROLLBACK.search(log)) is not None:
-    result.update(restore_s=float(rolled.group(1)), waited_s=float(rolled.group(2) or 0),
-                  recover_s=float(rolled.group(3)))
+    result.update(restore_s=float(rolled.group(3)), waited_s=float(rolled.group(4) or 0),
+                  recover_s=float(rolled.group(5)), taken_over=rolled.group(1) is not None,
+                  staged_s=float(rolled.group(2) or 0))
   return result
 
 
@@ -91,7 +95,13 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--shm-size", default=None,
                  help="the sidecar's arena (default: 256MiB for tiny, 12GiB for chip)")
   p.add_argument("--data", help="a corpus of examples/lm/prepare.py (default: 1 MB made here)")
+  p.add_argument("--ways", default=",".join(WAYS),
+                 help="which ways to run, comma-separated (default: all; the ratio column "
+                      "needs restart)")
   args = p.parse_args(argv)
+  ways = args.ways.split(",")
+  if not ways or set(ways) - set(WAYS):
+    p.error(f"--ways {args.ways!r}: each must be one of {', '.join(WAYS)}")
   if not args.save_every < args.fail_at <= args.steps:
     p.error("--fail-at must come after the first save and by --steps")
   with tempfile.TemporaryDirectory(prefix="bench-recover-") as work:
@@ -100,9 +110,9 @@ def main(argv: list[str] | None = None) -> int:
       data = os.path.join(work, "data")
       subprocess.run([sys.executable, "examples/lm/prepare.py", "--out", data, "--max-mb", "1"],
                      cwd=ROOT, check=True, capture_output=True)
-    results: dict[str, list[dict]] = {way: [] for way in WAYS}
+    results: dict[str, list[dict]] = {way: [] for way in ways}
     for _ in range(args.rounds):
-      for way in WAYS:
+      for way in ways:
         results[way].append(run(way, config=args.config, data=data, work=work,
                                 fail_at=args.fail_at, save_every=args.save_every,
                                 steps=args.steps,
@@ -110,17 +120,17 @@ def main(argv: list[str] | None = None) -> int:
                                                       else "12GiB")))
   mean = lambda way, key: statistics.fmean(r[key] for r in results[way]) if all(
       key in r for r in results[way]) else None
-  base = mean("restart", "next_step_s")
+  base = mean("restart", "next_step_s") if "restart" in ways else None
   rows = []
-  for way in WAYS:
+  for way in ways:
     nxt, again = mean(way, "next_step_s"), mean(way, "failed_step_again_s")
-    rows.append([way, f"{nxt:.3f}", f"{again:.3f}", f"{base / nxt:.1f}x",
+    rows.append([way, f"{nxt:.3f}", f"{again:.3f}", f"{base / nxt:.1f}x" if base and nxt else "-",
                  *(f"{v:.3f}" if (v := mean(way, k)) is not None else "-"
-                   for k in ("recover_s", "restore_s", "waited_s"))])
+                   for k in ("recover_s", "staged_s", "restore_s", "waited_s"))])
   print(f"{args.config} config, step {args.fail_at} raises, saves every {args.save_every}; "
         f"means of {args.rounds} rounds, seconds from the exception")
-  print(table(["way", "next step", "failed step again", "vs restart", "recover()", "restore",
-               "save wait"], rows))
+  print(table(["way", "next step", "failed step again", "vs restart", "recover()",
+               "copy wait", "restore", "save wait"], rows))
   print(json.dumps({"config": args.config, "fail_at": args.fail_at,
                     "save_every": args.save_every, "rounds": results}))
   return 0

@@ -39,8 +39,8 @@ thread); a file counts once, whichever side and thread ran it:
   save, by name: the caller's, a finisher, a stager, DCP's executor; gRPC's own threads,
   which run the trainer's future callbacks, are counted apart.
 
-And once: ``isinstance`` checks on a plug (``Agreement``, ``KeyValueAgreement``,
-``DcpAgreement``, ``Framework``, ``Coordination`` and their subclasses, grepped in
+And once: ``isinstance`` checks on a plug (``Driver``, ``KeyValueDriver``,
+``DcpDriver``, ``Framework``, ``Coordination`` and their subclasses, grepped in
 ``sidecar/_src``), and the forms a shard's description takes from ``save()`` to the
 manifest: the types and tuples this module lists (:data:`FORMS`), each counted where its
 definition is still found in the source (a form that goes away drops out of the count), and
@@ -133,7 +133,7 @@ def on_save_path(rel: str) -> bool:
 
 TRAINER = ("controller/", "jax/", "torch/", "arena/worker.py")
 SAVING = ("controller/checkpoint/", "jax/", "torch/")  # a thread of a save runs these
-PLUGS = ("Agreement", "KeyValueAgreement", "DcpAgreement", "Framework", "JaxFramework",
+PLUGS = ("Driver", "KeyValueDriver", "DcpDriver", "Framework", "JaxFramework",
          "TorchFramework", "Coordination", "PeersCoordination", "DcpCoordination")
 
 

@@ -13,8 +13,10 @@ Example::
       ckpt.save(step, {"model": model.state_dict(), "data": loader.state_dict()})
 
 ``Checkpointer`` is a class, built on the one core class that ``sidecar.jax.Checkpointer``
-names (with DCP's agreement and layout): ``isinstance(ckpt, sidecar.torch.Checkpointer)``
+names (with DCP's driver and layout): ``isinstance(ckpt, sidecar.torch.Checkpointer)``
 holds for what it made, and its ``save`` returns a ``SaveHandle``, JAX's and PyTorch's alike.
+``Recovery`` rolls a training loop back to the newest committed step when a step raises, in
+the same process (``sidecar.jax.Recovery``'s rule), the DataLoader moved back with it.
 
 Importing it loads neither jax nor jaxlib, and ``torch.distributed.checkpoint`` (2.5 s of
 CPU here) only once a checkpoint class is first named: a rank that only reads batches
@@ -28,12 +30,13 @@ from sidecar._src.core import deprecation as _deprecation
 from sidecar._src.torch.controller import Controller, connect
 from sidecar._src.torch.distributed import Ranks, TorchPeers, ranks
 from sidecar._src.torch.loader import DataLoader
+from sidecar._src.torch.recovery import Recovery
 
 if TYPE_CHECKING:
   from sidecar._src.torch.checkpointer import Checkpointer, SaveHandle
   from sidecar._src.torch.storage import StorageReader, StorageWriter
 
-__all__ = ["Checkpointer", "Controller", "DataLoader", "Ranks", "SaveHandle",
+__all__ = ["Checkpointer", "Controller", "DataLoader", "Ranks", "Recovery", "SaveHandle",
            "StorageReader", "StorageWriter", "TorchPeers", "connect", "ranks"]
 
 _WITH_DCP = {"Checkpointer": "checkpointer", "SaveHandle": "checkpointer",

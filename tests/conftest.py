@@ -108,6 +108,25 @@ def sidecar_logs_kept_in_the_temp_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session", autouse=True)
+def one_jax_compilation_cache_for_the_run(tmp_path_factory):
+  """The trainers, kernels and scripts this run starts share JAX's persistent compilation
+  cache, as a user's restarted job does (``sidecar launch`` names one for its restarts): a
+  program that many launches compile (the LM example's step: 11 s of a 20 s launch here) is
+  compiled once per run. Fresh for each run, in its temp directory (both xdist workers'
+  parent); the size limit only turns on JAX's file lock, so that one process never reads
+  an entry another is still writing. A whole run's test processes imported JAX while
+  collecting, before this: their own compiles are not cached. A test of the cache itself,
+  or of a compile still running, removes or names it."""
+  root = tmp_path_factory.getbasetemp()
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    root = root.parent  # the run's, shared by its workers
+  cache = root / "jax-cache"
+  cache.mkdir(exist_ok=True)
+  os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(cache))
+  os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
+
+
+@pytest.fixture(scope="session", autouse=True)
 def ctrl_c_raises_keyboard_interrupt():
   """SIGINT raises KeyboardInterrupt, as in a terminal, though the run is a background job
   (``pytest &``, nohup), which a shell starts with SIGINT ignored: the interrupt tests send

@@ -28,7 +28,7 @@ from sidecar._src.ckptfmt.spec import LeafSpec
 from sidecar._src.controller.checkpoint.checkpointer import Checkpointer
 from sidecar._src.controller.checkpoint.client import CheckpointTransport, Held
 from sidecar._src.controller.checkpoint.options import CheckpointOptions
-from sidecar._src.controller.checkpoint.plugs import key_value_agreement
+from sidecar._src.controller.checkpoint.plugs import key_value_driver
 from sidecar._src.controller.checkpoint.sidecars import SidecarsSnapshot
 from sidecar._src.controller.connection import CallWindow, HostInfo
 from sidecar._src.controller.framework import NumpyArrays
@@ -297,7 +297,7 @@ def checkpointer(fake: CheckpointTransport, *, hosts=None, local=None, peers: Pe
                  handshakes=None, directory: str = "/ckpt/run", framework=None, live=None,
                  **options) -> Checkpointer:
   """The one Checkpointer over ``fake`` (its hosts, or ``hosts``; this process stages into
-  ``local``, default all) with the key-value agreement and ``framework`` (default numpy
+  ``local``, default all) with the key-value driver and ``framework`` (default numpy
   arrays): ``options`` are CheckpointOptions'. ``live``: the live hosts as a controller's
   watch sees them now (a callable), which the checkpointer follows; None: fixed hosts."""
   hosts = tuple(getattr(fake, "hosts", (0,)) if hosts is None else hosts)
@@ -311,5 +311,5 @@ def checkpointer(fake: CheckpointTransport, *, hosts=None, local=None, peers: Pe
   site = snapshot(hosts, tuple(hosts if local is None else local))
   o, peers = CheckpointOptions(**options), peers if peers is not None else LocalPeers()
   return Checkpointer(directory, site=site, options=o, peers=peers, key="ckpt",
-                      agreement=key_value_agreement(options=o, peers=peers,
-                                                    framework=framework or NumpyArrays()))
+                      driver=key_value_driver(options=o, peers=peers,
+                                              framework=framework or NumpyArrays()))

@@ -1,7 +1,7 @@
 """ARCHITECTURE.md's "Words with one meaning" is what the code's names keep: every name
 defined in sidecar/_src (a module, class, function, parameter, module or class constant,
 an attribute set on ``self``) that holds one of its words (host, peer, pool, part, lot,
-record, replica) as a word of its own carries that word's one meaning: it is named in the
+record, replica, agreement) as a word of its own carries that word's one meaning: it is named in the
 word's entry, or it is one of the names below that were read and carry it (:data:`SAME`),
 so a new name fails here until it is read (or renamed). The names that still carry another
 meaning are listed in :data:`KNOWN`, each with its reason; that list may only shrink.
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.unit
 
 SRC = ROOT / "sidecar" / "_src"
 TEXT = (ROOT / "ARCHITECTURE.md").read_text()
-WORDS = ("host", "peer", "pool", "part", "lot", "record", "replica")
+WORDS = ("host", "peer", "pool", "part", "lot", "record", "replica", "agreement")
 # Read, and carrying the word's one meaning (beside those its entry names), by word.
 SAME = {
     # a machine of the job: its index, how many, which ones, what one of them runs or holds,
@@ -48,6 +48,7 @@ SAME = {
         "controller/checkpoint/checkpointer.py:peers",
         "controller/checkpoint/coordination.py:peers",
         "controller/checkpoint/fallback.py:peers",
+        "controller/checkpoint/holds.py:peers",
         "controller/checkpoint/plugs.py:peers",
         "controller/checkpoint/save_run.py:peers",
         "controller/controller.py:peers",
@@ -77,7 +78,8 @@ SAME = {
         "ckptfmt/dcp/format.py:record", "ckptfmt/format.py:record",  # Format.read's
         "ckptfmt/orbax/format.py:record",
         "controller/checkpoint/client.py:record",  # CheckpointTransport.read's
-        "controller/checkpoint/restore.py:record", "controller/checkpoint/restore.py:_record",
+        "controller/checkpoint/shard_reads.py:record",
+        "controller/checkpoint/shard_reads.py:_record",
         "server/checkpoint/read.py:record",  # Reader.read's
         "server/checkpoint/checkpoints.py:record",  # Checkpoints.read's
         "torch/storage.py:_records",  # StorageReader's: each item's, by fqn and offsets
@@ -92,6 +94,8 @@ SAME = {
         "written_records"}),
     # a copy of a host's shards that another host's sidecar keeps, the hosts that keep
     # them, how many per shard, how they travel and whose RAM-tier group they count in
+    # the sidecars' commit of a step taken over: its module (server/checkpoint/agreement.py)
+    "agreement": frozenset({"agreement"}),
     "replica": frozenset({
         "REPLICA_HOSTS_FILE", "REPLICA_KEY", "REPLICA_SHM", "REPLICA_TOKEN_DIR",
         "_REPLICA_LINK_RPCS",
@@ -101,6 +105,7 @@ SAME = {
         "_replica_token", "_replica_warnings", "_replicas", "_write_replica_hosts",
         "accept_replica", "is_replica_link", "needs_replica_token", "open_replica", "replica",
         "replica_bandwidth", "replica_blocks_from_pb", "replica_bytes", "replica_credentials",
+        "ckptfmt/tiers.py:REPLICA",  # Tier.REPLICA: a read of a replica's copy
         "replica_header_from_pb", "replica_header_to_pb", "replica_hosts_file",
         "replica_link", "replica_owner", "replica_piece_from_pb", "replica_steps",
         "replicas", "replicas_from_pb", "replicas_to_pb"}),
@@ -265,3 +270,14 @@ def test_a_retired_name_stays_retired():
   assert "controller/goodput.py" not in names.get("Recorder", set())
   assert names.get("LedgerClient") == {"controller/goodput.py"}
   assert not {m for m in names.get("record", set()) if "goodput" in m}
+
+
+def test_agreement_is_the_sidecars_commit_alone():
+  # Issue 72: the trainer's plug agreed on nothing (it drives a step's phases), and
+  # ``Peers.agree`` / ``agree_on_save`` check that the processes pass the same values.
+  names = _names()
+  assert not {"Agreement", "KeyValueAgreement", "DcpAgreement", "key_value_agreement",
+              "agree_on_save", "SaveCoordinator", "_agreement"} & {
+      n for n, modules in names.items() if modules - {"server/checkpoint/agreement.py"}}
+  assert names.get("Driver") == {"controller/checkpoint/plugs.py"}
+  assert names.get("check_same") == {"controller/peers.py"}

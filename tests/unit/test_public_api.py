@@ -47,7 +47,7 @@ def test_every_error_of_the_tree_is_exported():
 def test_torch_api_is_pinned():
   import sidecar.torch
   assert sidecar.torch.__all__ == [
-      "Checkpointer", "Controller", "DataLoader", "Ranks", "SaveHandle",
+      "Checkpointer", "Controller", "DataLoader", "Ranks", "Recovery", "SaveHandle",
       "StorageReader", "StorageWriter", "TorchPeers", "connect", "ranks"]
   for name in sidecar.torch.__all__:
     assert getattr(sidecar.torch, name) is not None

@@ -22,6 +22,8 @@ restore names no format: a committed directory's is the one its manifest names.
 * ``records``: what crosses the Checkpoint service, frozen (``ShardId``, ``ShardRecord``
   and ``Staged``, its bytes beside it, ``ReplicaTarget``, ``Replicated``, ``Held``,
   ``Manifest`` with its file and JSON).
+* ``tiers``: :class:`~.tiers.Tier`, where a read takes a shard's copy (RAM, a replica,
+  storage).
 * ``spec``: :class:`~.spec.LeafSpec` (a leaf's key path, shape, dtype, write shape) and
   Orbax's file and directory names.
 * ``names``: what a client may call a file; opening it beneath its directory.

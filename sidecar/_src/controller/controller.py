@@ -14,10 +14,8 @@ import concurrent.futures
 import contextlib
 import enum
 import functools
-import logging
 import os
 import threading
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Self
 
@@ -36,8 +34,9 @@ from sidecar._src.controller.checkpoint import ram_drop
 from sidecar._src.controller.checkpoint.checkpointer import Checkpointer
 from sidecar._src.controller.checkpoint.client import CheckpointClient
 from sidecar._src.controller.checkpoint.options import CheckpointOptions, options_or
-from sidecar._src.controller.checkpoint.plugs import key_value_agreement
-from sidecar._src.controller.checkpoint.sidecars import SidecarsSnapshot
+from sidecar._src.controller.checkpoint.plugs import key_value_driver
+from sidecar._src.controller.checkpoint.sidecars import SidecarsSnapshot, Snapshots
+from sidecar._src.controller.children import Children
 from sidecar._src.controller.connection import Connection, HostInfo
 from sidecar._src.controller.feed import Feed, LayoutFactory
 from sidecar._src.controller.framework import Framework, NumpyArrays
@@ -54,8 +53,6 @@ from sidecar._src.core import (
 from sidecar._src.streams.consumer import Stream
 from sidecar._src.wire import protocol
 from sidecar._src.wire.protocol import pb
-
-log = logging.getLogger(__name__)
 
 
 class State(enum.Enum):
@@ -137,9 +134,9 @@ class Controller:
         cancel=self.cancel, framework=self._framework, token=token)
     self._calls = Calls(connection=self._sidecars.conns.__getitem__,
                         worker=self._sidecars.workers.get)
+    self._snapshots = Snapshots(self._sidecars, status=self.status)  # for checkpointers
     self._feeds = self._checkpointers = 0  # made so far: SPMD names for their agreements
-    self._children: weakref.WeakSet = weakref.WeakSet()  # feeds, streams, checkpointers made
-    self._replica_warnings: set[tuple[int, int]] = set()  # (replicas asked, hosts) warned of
+    self._children = Children()  # the feeds, streams and checkpointers it made
     self._watch: health.HealthWatch | None = None
     self._lock = threading.Lock()
     self._goodput: goodput_lib.LedgerClient | None = None
@@ -235,7 +232,7 @@ class Controller:
   @property
   def peers(self) -> Peers:
     """This job's trainer processes, for agreements of your own (``all_gather``,
-    ``broadcast``, ``agree``); with one process, trivially itself."""
+    ``broadcast``, ``check_same``); with one process, trivially itself."""
     return self._peers
 
   @property
@@ -295,9 +292,7 @@ class Controller:
 
   def cancel(self) -> None:
     """Closes every feed and stream this controller made: work in flight stops."""
-    for child in list(self._children):
-      if not isinstance(child, Checkpointer):
-        child.close()
+    self._children.cancel()
 
   def worker(self, host_id: int) -> worker_lib.Worker | None:
     """The worker that maps host ``host_id``'s arena here, if any."""
@@ -489,8 +484,7 @@ class Controller:
     site = self.checkpoint_sidecars()
     ckpt = Checkpointer(
         str(directory), site=site, options=o, peers=self._peers,
-        agreement=key_value_agreement(options=o, peers=self._peers,
-                                      framework=self._framework),
+        driver=key_value_driver(options=o, peers=self._peers, framework=self._framework),
         key=f"ckpt/{self._checkpointers}", sweep=sweep)
     self._children.add(ckpt)
     return ckpt
@@ -498,10 +492,7 @@ class Controller:
   def checkpoint_client(self) -> CheckpointClient:
     """The checkpoint phases on these sidecars, through this controller's channels: what
     a framework's checkpoint adapter (``sidecar.torch.StorageWriter``) drives."""
-    return CheckpointClient(select=self._sidecars.select,
-                            connection=self._sidecars.conns.__getitem__,
-                            worker=self._sidecars.workers.get, status=self.status,
-                            timeout=self.timeout)
+    return self._snapshots.client(self.timeout)
 
   def checkpoint_sidecars(self) -> SidecarsSnapshot:
     """These sidecars as a checkpointer sees them now (a new checkpoint client, the hosts,
@@ -515,18 +506,9 @@ class Controller:
     """The sidecars now, through ``client``."""
     self._check_open()
     one = not self.multiprocess  # N processes: each one's view of a loss may differ
-    return SidecarsSnapshot(
-        client=client, hosts=self._live_ids(), local=tuple(self.local_hosts),
-        device_hosts=dict(self._sidecars.device_hosts),
-        handshakes=self._sidecars.handshakes(),
-        mapped=frozenset(h for h in self._sidecars.workers if h not in self._sidecars.lost),
-        writers=dict(self._sidecars.writers), warned=self._replica_warnings,
-        goodput=self._goodput, live=self._live_ids if one else None,
+    return self._snapshots.snapshot(
+        client, goodput=self._goodput,
         now=functools.partial(self._snapshot, client) if one else None)
-
-  def _live_ids(self) -> tuple[int, ...]:
-    """The live hosts' ids, ascending (no rpc)."""
-    return tuple(h.host_id for h in self._sidecars.live())
 
   @interrupts.deferring
   def call_async(self, name: str, /, *legacy_args: Any, args: Sequence[Any] = (),
@@ -575,14 +557,10 @@ class Controller:
   def _display(self, *, as_html: bool) -> str:
     rows = [] if self.state is State.CLOSED else display.status_rows(
         self._sidecars.statuses(display.STATUS_TIMEOUT_S))
-    children = list(self._children)
     facts = display.controller_facts(
         state=self.state.value, live=len(self.hosts), lost=self.lost_hosts,
         process=self.process_index, processes=self._peers.count, local_hosts=self.local_hosts,
-        feeds=[c.name for c in children
-               if isinstance(c, Feed) and c.status is feed_lib.State.OPEN],
-        checkpointers=[c.directory for c in children
-                       if isinstance(c, Checkpointer) and not c._closed])
+        feeds=self._children.open_feeds(), checkpointers=self._children.open_checkpointers())
     return display.hosts_block("sidecar.jax.Controller", facts, rows, as_html=as_html)
 
   def __repr__(self) -> str:
@@ -603,24 +581,12 @@ class Controller:
     if self._watch is not None:
       self._watch.stop()
     self.cancel()
-    for child in list(self._children):
-      try:
-        child.close()  # the checkpointers: each waits for its save in flight
-      except Exception as e:  # a failed save nobody was told of: said here, all closed
-        self._unreported(e)
+    self._children.close(lambda: self.lost_hosts)  # each checkpointer ends its save first
     if self._goodput is not None:  # a clean end: the sidecar records no death
       self._goodput.finish()
     self.state = State.CLOSED
     self._sidecars.close()  # the workers it made, then the channels
     self._calls.close()  # its caller threads: their calls ended with the channels
-
-  def _unreported(self, e: Exception) -> None:
-    """Logs what closing a child raised (a checkpointer's failed save its own save(),
-    wait() or close() did not raise: one the trainer left to this controller, or whose
-    training an elastic retry gave up); one of a host known lost, calmly."""
-    lost = isinstance(e, errors.HostLostError) and e.host_id in self.lost_hosts
-    log.log(logging.WARNING if lost else logging.ERROR, "%s: %s%s", type(e).__name__, e,
-            "".join(f"; {n}" for n in getattr(e, "__notes__", ())))
 
   def __enter__(self) -> Self:
     return self

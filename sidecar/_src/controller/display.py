@@ -8,8 +8,10 @@ not answer shows as such); a feed's own figures need no call at all.
 from __future__ import annotations
 
 import html
-from collections.abc import Iterable, Sequence
-from typing import Any
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TextIO, TypeVar
 
 import grpc
 
@@ -18,6 +20,7 @@ from sidecar._src.wire import protocol
 from sidecar._src.wire.protocol import pb
 
 STATUS_TIMEOUT_S = 1.0
+CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear the screen
 
 Row = tuple[int, str, "pb.StatusResponse | Exception"]  # host id, address, status or error
 
@@ -199,3 +202,31 @@ def checkpointer_facts(directory: str, steps: Sequence[int], in_flight: Any, las
           ("committed steps", str(list(steps)) if steps else "none"),
           ("latest save", save),
           ("last restore", last_restore.summary() if last_restore is not None else "none")]
+
+
+Fetched = TypeVar("Fetched")
+
+
+def redraw(title: str, fetch: Callable[[], Fetched],
+           screen: Callable[[Fetched, Fetched | None, float], str], *, interval: float,
+           out: TextIO | None = None, refreshes: int | None = None) -> int:
+  """A ``--watch`` loop: every ``interval`` seconds, ``fetch()`` and write ``title`` over
+  ``screen(fetched, the previous fetch (None at first), seconds since it)``, the terminal
+  cleared first where ``out`` is one; until Ctrl-C (then returns 0), or ``refreshes``
+  screens."""
+  out = out or sys.stdout
+  clear = CLEAR if out.isatty() else ""
+  previous: Fetched | None = None
+  last, n = time.monotonic(), 0
+  try:
+    while refreshes is None or n < refreshes:
+      fetched = fetch()
+      now = time.monotonic()
+      out.write(f"{clear}{title}  {time.strftime('%H:%M:%S')}  every {interval:g} s  "
+                "(Ctrl-C to stop)\n\n" + screen(fetched, previous, now - last) + "\n\n")
+      out.flush()
+      previous, last, n = fetched, now, n + 1
+      time.sleep(max(0.0, interval - (time.monotonic() - now)))
+  except KeyboardInterrupt:
+    pass
+  return 0

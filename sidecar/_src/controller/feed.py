@@ -153,7 +153,7 @@ class Feed:
                          else device_prefetch)
     self._ahead = _Ahead(self, self._ahead_depth) if self._ahead_depth else None
     self.status = State.OPEN
-    self._seeks = 0  # seek() calls so far: each position's agreement keys are new
+    self._seeks = 0  # seek() calls so far: each position's keys between processes are new
     try:
       self._open_streams()
     except BaseException:
@@ -501,7 +501,7 @@ def agree_and_open(name: str, number: int, *, global_batch_size: int, layout: Ba
   ``session(host_id)``."""
   key = f"feed/{number}"
   encoded, no_args = codec.encode(dict(kwargs), where="kwargs"), codec.encode(())
-  peers.agree(f"{key}/open", {
+  peers.check_same(f"{key}/open", {
       "pipeline": name, "global_batch_size": global_batch_size, "seed": seed,
       "num_epochs": num_epochs, "workers": options.workers, "state": state,
       "kwargs": hashlib.sha256(encoded.SerializeToString(deterministic=True)).hexdigest()[:16],

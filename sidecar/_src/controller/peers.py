@@ -33,7 +33,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from sidecar._src.core import env as env_lib, errors
+from sidecar._src.core import deprecation, env as env_lib, errors
 
 SYNC_TIMEOUT = env_lib.SYNC_TIMEOUT
 DEFAULT_SYNC_TIMEOUT_S = env_lib.DEFAULT_SYNC_TIMEOUT_S
@@ -94,7 +94,8 @@ class Peers(abc.ABC):
       return value
     return self.read(key, 0, timeout=_timeout(timeout))
 
-  def agree(self, key: str, value: Any, *, what: str, timeout: float | None = None) -> None:
+  def check_same(self, key: str, value: Any, *, what: str, timeout: float | None = None
+                 ) -> None:
     """Raises in every process unless every process passes an equal ``value``.
 
     ``what`` names the value in the error, e.g. ``"the step of the save"``.
@@ -113,6 +114,12 @@ class Peers(abc.ABC):
         + "; ".join(f"process {p}: {v}" for p, v in enumerate(values))
         + ". Every process must make the same calls with the same arguments, in the same "
         "order")
+
+  def agree(self, key: str, value: Any, *, what: str, timeout: float | None = None) -> None:
+    """Deprecated: :meth:`check_same` (an agreement is the sidecars' commit of a step)."""
+    deprecation.warn("sidecar.distributed.Peers.agree",
+                     deprecation.Moved("sidecar.distributed.Peers.check_same"))
+    self.check_same(key, value, what=what, timeout=timeout)
 
 
 class LocalPeers(Peers):

@@ -6,7 +6,9 @@ An exception in a training step (a transient runtime error, a NaN guard, a data 
 need not cost a new process (its teardown, the runtime's init, the compile: 13-16 s on
 a TPU host). The state it needs is in the sidecars' RAM tier, and the feed can be moved
 back to that step's data position. :class:`Recovery` does both, keeping what the process
-holds (its compiled functions, its feed's layout, its connections)::
+holds (its compiled functions, its feed's layout, its connections). Nothing in it is
+JAX's: ``sidecar.jax.Recovery`` is this class, and ``sidecar.torch.Recovery``
+(``torch/recovery.py``) the same with the data position a PyTorch state dict keeps::
 
   recovery = sidecar.jax.Recovery(ckpt, feed, target=abstract_state)
   while step < steps:
@@ -35,7 +37,8 @@ import time
 import traceback
 from typing import Any, Protocol
 
-from sidecar._src.controller.checkpoint.checkpointer import Checkpointer, restore_taken_over
+from sidecar._src.controller.checkpoint.checkpointer import Checkpointer
+from sidecar._src.controller.checkpoint.rollback import restore_taken_over
 from sidecar._src.core import errors, interrupts
 
 log = logging.getLogger(__name__)
@@ -70,11 +73,13 @@ class Seekable(Protocol):
 class Rollback:
   """One recovery: the step that failed, the step rolled back to, what it took.
 
-  ``seconds`` runs from :meth:`Recovery.recover`'s call to its return: ``waited_s`` for
-  a save in flight to be durable (only where the sidecars had not taken it over), then
-  the feed's seek and the restore (``restore_s``, from ``tier``: ``RestoreStats.tier``).
-  ``durable``: whether ``step`` was durable when restored (False: the sidecars took it
-  over and were still writing it).
+  ``seconds`` runs from :meth:`Recovery.recover`'s call to its return: ``staged_s`` for
+  the save in flight to be staged (its copy off the devices into the arenas, and its
+  Stages: a step taken over is restored from those bytes), or ``waited_s`` for it to be
+  durable (only where the sidecars had not taken it over), then the feed's seek and the
+  restore (``restore_s``, from ``tier``: ``RestoreStats.tier``). ``durable``: whether
+  ``step`` was durable when restored (False: the sidecars took it over and were still
+  writing it).
   """
   failed_step: int
   error: str  # the exception's type and the first line of its message
@@ -84,10 +89,12 @@ class Rollback:
   waited_s: float
   seconds: float
   durable: bool = True
+  staged_s: float = 0.0
 
   def summary(self) -> str:
     waited = f", {self.waited_s:.3f} s waiting for the save in flight" if self.waited_s else ""
-    taken = "" if self.durable else ", taken over and not durable yet"
+    taken = "" if self.durable else (
+        f", taken over and not durable yet, {self.staged_s:.3f} s waiting for its copy")
     return (f"step {self.failed_step} raised {self.error}; rolled back in-process to step "
             f"{self.step} ({self.tier} tier{taken}, restored in {self.restore_s:.3f} s"
             f"{waited}) in {self.seconds:.3f} s")
@@ -125,6 +132,9 @@ class Recovery:
     error its context.
   """
 
+  # What its notes call it: the public name of the class the user made.
+  public_name = "sidecar.jax.Recovery"
+
   def __init__(self, checkpointer: Checkpointer, feed: Seekable, *, target: Any,
                retries_per_step: int = 1):
     if not isinstance(retries_per_step, int) or isinstance(retries_per_step, bool) or (
@@ -145,37 +155,45 @@ class Recovery:
     self._failures[step] += 1
     if self._failures[step] > self.retries_per_step:
       error.add_note(
-          f"sidecar.jax.Recovery: step {step} failed {self._failures[step]} times in this "
+          f"{self.public_name}: step {step} failed {self._failures[step]} times in this "
           f"process (retries_per_step={self.retries_per_step}): not recovered in-process; "
           "the process ends for its launcher to restart it (sidecar launch --max-restarts)")
       raise error
+    staged = self._staged()
     rolled = restore_taken_over(self._checkpointer, self._target)
     if rolled is not None:  # the save in flight, as the sidecars hold it: no wait for its write
       taken, state, data_state = rolled
       self._feed.seek(data_state)
-      return self._done(error, step, taken, state, waited=0.0, durable=False, t0=t0)
+      return self._done(error, step, taken, state, waited=0.0, durable=False, t0=t0,
+                        staged=staged)
     waited = self._settle()
     latest = self._checkpointer.latest_step()
     if latest is None:
       error.add_note(
-          f"sidecar.jax.Recovery: step {step} failed before any step was committed in "
+          f"{self.public_name}: step {step} failed before any step was committed in "
           f"{self._checkpointer.directory}: there is nothing to roll back to in-process; "
           "the process ends for its launcher to restart it")
       raise error
-    # The feed first: its sidecars make the first batch while the state is restored.
-    self._feed.seek(self._checkpointer.data_state(latest))
-    state = self._checkpointer.restore(latest, self._target, progress=False)
+    state = self._restore(latest)
     return self._done(error, step, latest, state, waited=waited, durable=True, t0=t0)
 
+  def _restore(self, step: int) -> Any:
+    """Committed step ``step`` onto the target, the feed moved to its data position (the
+    checkpointer's ``data_state``); returns the state."""
+    # The feed first: its sidecars make the first batch while the state is restored.
+    self._feed.seek(self._checkpointer.data_state(step))
+    return self._checkpointer.restore(step, self._target, progress=False)
+
   def _done(self, error: BaseException, step: int, latest: int, state: Any, *,
-            waited: float, durable: bool, t0: float) -> tuple[int, Any]:
+            waited: float, durable: bool, t0: float, staged: float = 0.0
+            ) -> tuple[int, Any]:
     """Records and logs the rollback from ``step`` to ``latest``; returns ``(latest, state)``."""
     stats = self._checkpointer.last_restore_stats()
     rollback = Rollback(
         failed_step=step, error=_describe(error), step=latest,
         tier=stats.tier if stats is not None else "unknown",
         restore_s=stats.seconds if stats is not None else 0.0, waited_s=waited,
-        seconds=time.perf_counter() - t0, durable=durable)
+        seconds=time.perf_counter() - t0, durable=durable, staged_s=staged)
     self.rollbacks.append(rollback)
     # What failed, with its traceback as text: a log entry holding the exception would keep
     # the failed step's frames (its batch, its arrays over the arena) as long as a handler
@@ -183,6 +201,18 @@ class Recovery:
     log.warning("%s\n%s", rollback.summary(),
                 "".join(traceback.format_exception(error)).rstrip())
     return latest, state
+
+  def _staged(self) -> float:
+    """Waits for the checkpointer's save in flight to be staged (copied into the arenas,
+    its Stages answered), as ``restore_taken_over`` does; the seconds. On an
+    accelerator, the copy of the state off the devices, which a save's return does not
+    wait for, is most of it."""
+    handle = self._checkpointer.save_in_flight()
+    if handle is None:
+      return 0.0
+    t0 = time.perf_counter()
+    interrupts.wait_done(handle.staged)
+    return time.perf_counter() - t0
 
   def _settle(self) -> float:
     """Waits for the checkpointer's save in flight to be durable or to fail; the seconds."""

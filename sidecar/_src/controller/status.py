@@ -237,8 +237,6 @@ def print_status(addresses: Sequence[str], *, timeout: float, token: str | None 
 
 # ---- --watch ---------------------------------------------------------------
 
-CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear the screen
-
 
 def _feed_keys(rows: Rows) -> dict[tuple[str, str, int], pb.FeedStatus]:
   """Each running feed by (address, pipeline, n-th of that pipeline on the host)."""
@@ -289,19 +287,6 @@ def watch(addresses: Sequence[str], *, interval: float, timeout: float,
           token: str | None = None, out: TextIO | None = None,
           refreshes: int | None = None) -> int:
   """Redraws the status every ``interval`` seconds until Ctrl-C (then returns 0)."""
-  out = out or sys.stdout
-  clear = CLEAR if out.isatty() else ""
-  previous, last, n = None, time.monotonic(), 0
-  try:
-    while refreshes is None or n < refreshes:
-      rows = shown(fetch_all(addresses, timeout=timeout, token=token))
-      now = time.monotonic()
-      stamp = time.strftime("%H:%M:%S")
-      out.write(f"{clear}sidecar status  {stamp}  every {interval:g} s  (Ctrl-C to stop)\n\n"
-                + format_live(rows, previous, now - last) + "\n\n")
-      out.flush()
-      previous, last, n = rows, now, n + 1
-      time.sleep(max(0.0, interval - (time.monotonic() - now)))
-  except KeyboardInterrupt:
-    pass
-  return 0
+  return display.redraw(
+      "sidecar status", lambda: shown(fetch_all(addresses, timeout=timeout, token=token)),
+      format_live, interval=interval, out=out, refreshes=refreshes)

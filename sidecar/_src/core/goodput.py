@@ -264,18 +264,26 @@ class Life:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Ledger:
-  """The job's time, split: ``productive_s`` and ``badput_s`` add up to ``wall_s``."""
+class Split:
+  """A job's wall-clock time split: ``productive_s`` and ``badput_s`` (seconds by
+  category) add up to ``wall_s``. :func:`account` splits it from the job's own events
+  (:class:`Ledger`); ``benchmarks/goodput_ledger.account`` from outside the job (its
+  metrics lines and its processes' lifetimes, the same for any system it compares)."""
   wall_s: float
   productive_s: float
   badput_s: dict[str, float]
-  restarts: int
-  lives: tuple[Life, ...]
-  skipped_lines: int = 0  # lines of the file that were no event (read_all)
 
   @property
   def goodput(self) -> float:
     return self.productive_s / self.wall_s if self.wall_s > 0 else 0.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Ledger(Split):
+  """The job's time as its events split it (:func:`account`), life by life."""
+  restarts: int
+  lives: tuple[Life, ...]
+  skipped_lines: int = 0  # lines of the file that were no event (read_all)
 
   def to_dict(self) -> dict[str, Any]:
     """What ``sidecar goodput --json`` prints."""

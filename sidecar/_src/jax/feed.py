@@ -27,14 +27,11 @@ from sidecar._src.jax import transfer
 DEVICE_PREFETCH = 8
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class HostPlan:
-  """One host's part (one process's, where several share the host): its row ranges and,
-  for each, the devices that take those rows."""
-  host_id: int
-  ranges: tuple[tuple[int, int], ...]
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class HostPlan(HostRows):
+  """One host's rows (``feed.HostRows``: one process's part, where several share the host)
+  and, for each of its row ranges, the devices that take those rows."""
   devices: tuple[tuple[jax.Device, ...], ...]
-  process: int = -1  # the trainer process whose devices these are; -1: not told
 
 
 def plan(sharding: jax.sharding.Sharding, global_batch_size: int,
@@ -91,8 +88,8 @@ def plan(sharding: jax.sharding.Sharding, global_batch_size: int,
         raise errors.InvalidArgumentError(
             f"devices of host {host} take overlapping rows [{a}, {b}) and [{c}, {d}); "
             "use a sharding that splits the batch evenly")
-    plans.append(HostPlan(host, tuple(ranges), tuple(tuple(by_host[part][r]) for r in ranges),
-                          process=part[1]))
+    plans.append(HostPlan(host, tuple(ranges), part[1],
+                          devices=tuple(tuple(by_host[part][r]) for r in ranges)))
   return plans
 
 
@@ -114,7 +111,7 @@ class Layout(BatchLayout):
     self.sharding = sharding
     self.global_batch_size = global_batch_size
     self.plans = plan(sharding, global_batch_size, device_hosts, device_processes)
-    self.hosts = [HostRows(p.host_id, p.ranges, p.process) for p in self.plans]
+    self.hosts: list[HostRows] = list(self.plans)
     self._devices = {(p.host_id, p.process): p.devices for p in self.plans}
     # On CPU devices a batch aliases its arena blocks (no transfer): nothing to overlap.
     if any(getattr(d, "platform", "cpu") != "cpu" for d in sharding.device_set):

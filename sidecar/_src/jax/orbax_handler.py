@@ -27,7 +27,7 @@ import orbax.checkpoint as ocp
 
 from sidecar._src.ckptfmt import registry as formats_lib
 from sidecar._src.ckptfmt.orbax import read as orbax_read
-from sidecar._src.controller.checkpoint import checkpointer as checkpointer_lib
+from sidecar._src.controller.checkpoint import orbax_items
 from sidecar._src.controller.checkpoint.checkpointer import Checkpointer, Target
 from sidecar._src.core import errors
 from sidecar._src.wire import codec
@@ -61,13 +61,13 @@ class SidecarCheckpointHandler(ocp.AsyncCheckpointHandler):
   async def async_save(self, directory, args: SidecarSave):
     item = pathlib.Path(directory)
     target = _item_target(item, self._step(item))
-    handle = checkpointer_lib.save_item(self._engine(target.directory), target, args.item)
+    handle = orbax_items.save_item(self._engine(target.directory), target, args.item)
     return [_Durable(handle, self, target)]
 
   def save(self, directory, args: SidecarSave) -> None:
     item = pathlib.Path(directory)
     target = _item_target(item, self._step(item))
-    handle = checkpointer_lib.save_item(self._engine(target.directory), target, args.item)
+    handle = orbax_items.save_item(self._engine(target.directory), target, args.item)
     _Durable(handle, self, target).result()
 
   def restore(self, directory, args: SidecarRestore | None = None) -> Any:
@@ -77,7 +77,7 @@ class SidecarCheckpointHandler(ocp.AsyncCheckpointHandler):
           "shardings) or arrays")
     item = pathlib.Path(directory)
     engine = self._engine(str(item.parent.parent))
-    return checkpointer_lib.restore_item(engine, str(item), self._step(item), args.item)
+    return orbax_items.restore_item(engine, str(item), self._step(item), args.item)
 
   def metadata(self, directory) -> dict[Any, Any]:
     """The saved tree, read from the item's files: ``jax.ShapeDtypeStruct`` leaves.
@@ -117,7 +117,7 @@ class _Durable:
   def result(self, timeout: float | None = None) -> Any:
     out = self._handle.durable.result(timeout)
     # The manager renames the step right after this; the RAM tier keys on the final path.
-    checkpointer_lib.item_committed(self._handler._engine(self._target.directory),
+    orbax_items.item_committed(self._handler._engine(self._target.directory),
                                     self._target)
     return out
 

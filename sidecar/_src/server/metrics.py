@@ -387,8 +387,8 @@ class _Collector(Collector):
       in_flight.add_metric([kind], n)
     yield in_flight
     ckpt = CounterMetricFamily("sidecar_checkpoint_bytes", "Checkpoint bytes this host staged "
-                               "(trainer to arena), wrote to storage, and replicated to peers",
-                               labels=["what"])
+                               "(trainer to arena), wrote to storage, and replicated to its "
+                               "replica hosts", labels=["what"])
     for what, n in p["bytes"].items():
       ckpt.add_metric([what], n)
     yield ckpt

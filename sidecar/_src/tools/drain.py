@@ -14,9 +14,10 @@ committed (its trainers went before they committed it) is named as abandoned. A 
 ended with a failure or a signal is told how to resume: "re-run the same command to
 resume from step N", N the newest step committed in its directory (:func:`resume_from`).
 
-:func:`poll` is the one place that reads what a sidecar holds: the steps it took over and
-has not yet seen committed or abandoned (``CheckpointStatus.committing``) are waited for
-as :data:`WRITING`.
+:func:`poll` is the one place that reads what a sidecar holds, in the sidecar's own words
+for a step (``server/checkpoint/step.py``'s table, read backwards from the Status lists a
+step is in: ``step.drain_of``): the steps it took over and has not yet seen committed or
+abandoned (``CheckpointStatus.committing``) are waited for as :data:`WRITING`.
 """
 
 from __future__ import annotations
@@ -28,24 +29,25 @@ import time
 from collections.abc import Callable, Collection, Mapping
 
 from sidecar._src.core import errors
+from sidecar._src.server.checkpoint import step as step_lib
 
-WRITING = "writing"  # staged there, still being written, or taken over and not yet committed
-UNCOMMITTED = "uncommitted"  # written there, its commit never came
-COMMITTED = "committed"  # in its RAM tier, committed
+WRITING = step_lib.WRITING  # staged there, still being written, or taken over, not committed
+UNCOMMITTED = step_lib.UNCOMMITTED  # written there, its commit never came
+COMMITTED = step_lib.COMMITTED  # in its RAM tier, committed
 POLL_S = 0.1
 SETTLE_S = 1.0
 STATUS_TIMEOUT_S = 5.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True, order=True)
-class Step:
+class SidecarStep:
   """Step ``step`` of checkpoint directory ``directory`` on host ``host``'s sidecar."""
   step: int
   host: int
   directory: str
 
 
-Poll = Callable[[int, str, float], "dict[Step, str]"]
+Poll = Callable[[int, str, float], "dict[SidecarStep, str]"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -53,13 +55,13 @@ class Drained:
   """How a wait ended: the steps ``abandoned`` (said), those still being written when it
   ended (``pending``, because of ``why``: :func:`settle` says what became of them once
   the sidecars stopped), and the checkpoint directories the sidecars hold steps of."""
-  abandoned: tuple[Step, ...] = ()
-  pending: tuple[Step, ...] = ()
+  abandoned: tuple[SidecarStep, ...] = ()
+  pending: tuple[SidecarStep, ...] = ()
   why: str = ""
   directories: frozenset[str] = frozenset()
 
 
-def on_disk(step: Step) -> bool:
+def on_disk(step: SidecarStep) -> bool:
   """Whether ``step`` is committed in its directory (as a restore would find it)."""
   # The formats load numpy: here, when a launch ends, not when `sidecar --help` starts.
   from sidecar._src.ckptfmt import registry as formats_lib
@@ -67,7 +69,7 @@ def on_disk(step: Step) -> bool:
 
 
 def poll(host: int, address: str, timeout: float, *, token: str | None = None
-         ) -> dict[Step, str]:
+         ) -> dict[SidecarStep, str]:
   """The steps host ``host``'s sidecar at ``address`` holds that a stop concerns, each
   with its state (:data:`WRITING`, :data:`UNCOMMITTED`, :data:`COMMITTED`).
 
@@ -76,12 +78,13 @@ def poll(host: int, address: str, timeout: float, *, token: str | None = None
   """
   # gRPC loads here, when a launch ends, not when `sidecar --help` imports the launcher.
   from sidecar._src.controller import status as status_lib
-  states: dict[Step, str] = {}
+  lists: dict[SidecarStep, set[str]] = {}
   for c in status_lib.fetch(address, timeout=timeout, token=token).checkpoints:
-    for state, steps in ((COMMITTED, c.ram_steps), (UNCOMMITTED, c.uncommitted),
-                         (WRITING, c.writing), (WRITING, c.committing)):
-      states.update((Step(int(s), host, c.directory), state) for s in steps)
-  return states
+    for name in (step_lib.RAM_LIST, step_lib.UNCOMMITTED_LIST, step_lib.WRITING_LIST,
+                 step_lib.COMMITTING_LIST):
+      for s in getattr(c, name):
+        lists.setdefault(SidecarStep(int(s), host, c.directory), set()).add(name)
+  return {s: step_lib.drain_of(frozenset(names)) for s, names in lists.items()}
 
 
 def wait(sidecars: Mapping[int, str], *, grace: float, say: Callable[[str], None],
@@ -120,7 +123,7 @@ def wait(sidecars: Mapping[int, str], *, grace: float, say: Callable[[str], None
 
 
 def settle(drained: Drained, say: Callable[[str], None],
-           committed: Callable[[Step], bool] = on_disk) -> list[Step]:
+           committed: Callable[[SidecarStep], bool] = on_disk) -> list[SidecarStep]:
   """Once the sidecars stopped: says what became of the steps still being written when
   the wait ended, as their directory shows (``committed``); returns those abandoned."""
   done = [s for s in drained.pending if committed(s)]
@@ -156,9 +159,9 @@ def resume_from(directories: Collection[str]) -> int | None:
 
 
 def _poll_all(live: dict[int, str], poll: Poll, deadline: float, say: Callable[[str], None]
-              ) -> dict[Step, str]:
+              ) -> dict[SidecarStep, str]:
   """Every live sidecar's steps; one that does not answer is said and dropped from ``live``."""
-  states: dict[Step, str] = {}
+  states: dict[SidecarStep, str] = {}
   for host, address in list(live.items()):
     try:
       states |= poll(host, address, max(min(STATUS_TIMEOUT_S, deadline - time.monotonic()), 1.0))
@@ -168,9 +171,9 @@ def _poll_all(live: dict[int, str], poll: Poll, deadline: float, say: Callable[[
   return states
 
 
-def _outcome(waited: list[Step], states: dict[Step, str], live: Mapping[int, str],
+def _outcome(waited: list[SidecarStep], states: dict[SidecarStep, str], live: Mapping[int, str],
              why: str | None, seconds: float, say: Callable[[str], None]
-             ) -> tuple[list[Step], list[Step]]:
+             ) -> tuple[list[SidecarStep], list[SidecarStep]]:
   """Says how the steps ended; returns those still being written, and those abandoned."""
   still = [s for s in waited if states.get(s) == WRITING]
   if still:
@@ -192,7 +195,7 @@ def _outcome(waited: list[Step], states: dict[Step, str], live: Mapping[int, str
   return still, sorted({*lost, *failed})
 
 
-def _steps(steps: list[Step]) -> str:
+def _steps(steps: list[SidecarStep]) -> str:
   """``step 200 on host 0``, ``steps 200, 300 on hosts 0, 1``: a directory named only
   where there are several."""
   by_step: dict[tuple[str, int], list[int]] = {}

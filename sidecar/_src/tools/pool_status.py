@@ -17,13 +17,12 @@ import argparse
 import dataclasses
 import json
 import sys
-import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from sidecar._src.controller import display
 from sidecar._src.tools import cli_format, cli_types
 
-CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear the screen
 # TenantStatus fields read if the sidecar has them (None otherwise): feed batches made,
 # saves in progress, requests waiting for admission, RAM-tier bytes and their quota.
 OPTIONAL = ("batches", "saves", "waiting", "ram_tier_bytes", "ram_tier_quota")
@@ -169,24 +168,14 @@ def print_status(addresses: Sequence[str], *, timeout: float, token: str | None,
 def watch(addresses: Sequence[str], *, interval: float, timeout: float, token: str | None,
           out: TextIO | None = None, refreshes: int | None = None) -> int:
   """Redraws the table every ``interval`` seconds until Ctrl-C (then returns 0)."""
-  out = out or sys.stdout
-  clear = CLEAR if out.isatty() else ""
-  previous: list[TenantRow] | None = None
-  last, n = time.monotonic(), 0
-  try:
-    while refreshes is None or n < refreshes:
-      rows, unreachable, answered = _fetch(addresses, timeout, token)
-      now = time.monotonic()
-      out.write(f"{clear}sidecar pool status  {time.strftime('%H:%M:%S')}  every "
-                f"{interval:g} s  (Ctrl-C to stop)\n\n"
-                + format_table(rows, previous, now - last, answered=answered) + "\n"
-                + "".join(f"unreachable: {line}\n" for line in unreachable) + "\n")
-      out.flush()
-      previous, last, n = rows, now, n + 1
-      time.sleep(max(0.0, interval - (time.monotonic() - now)))
-  except KeyboardInterrupt:
-    pass
-  return 0
+  Fetched = tuple[list[TenantRow], list[str], bool]
+
+  def screen(fetched: Fetched, previous: Fetched | None, seconds: float) -> str:
+    rows, unreachable, answered = fetched
+    return (format_table(rows, previous[0] if previous else None, seconds, answered=answered)
+            + "".join(f"\nunreachable: {line}" for line in unreachable))
+  return display.redraw("sidecar pool status", lambda: _fetch(addresses, timeout, token),
+                        screen, interval=interval, out=out, refreshes=refreshes)
 
 
 def _run(args: argparse.Namespace) -> int:

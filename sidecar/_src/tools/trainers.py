@@ -1,6 +1,6 @@
 """The trainer processes ``sidecar launch`` starts, as processes: each in a process group of
 its own, its output relayed line by line behind a prefix, stopped as a group, and how it
-ended. When to start, restart or give up is the launch's (``launch.py``)."""
+ended. When to start, restart or give up is the launch's (``supervisor.py``)."""
 
 from __future__ import annotations
 

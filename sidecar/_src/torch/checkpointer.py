@@ -29,13 +29,13 @@ from sidecar._src.ckptfmt import registry as formats_lib
 from sidecar._src.controller import controller as core
 from sidecar._src.controller.checkpoint import checkpointer as checkpointer_lib
 from sidecar._src.controller.checkpoint.options import CheckpointOptions, options_or
-from sidecar._src.controller.checkpoint.plugs import Agreement, Setup
+from sidecar._src.controller.checkpoint.plugs import Driver, Setup
 from sidecar._src.controller.checkpoint.save_protocol import Target
 from sidecar._src.controller.checkpoint.save_run import Ending, SaveHandle
 from sidecar._src.core import errors, interrupts
 from sidecar._src.torch import controller as torch_controller, storage
 
-__all__ = ["CheckpointOptions", "Checkpointer", "DcpAgreement", "SaveHandle"]
+__all__ = ["CheckpointOptions", "Checkpointer", "DcpDriver", "SaveHandle"]
 
 _instances = itertools.count()  # every rank makes its Checkpointers in the same order
 
@@ -43,8 +43,8 @@ _instances = itertools.count()  # every rank makes its Checkpointers in the same
 class Checkpointer(checkpointer_lib.Checkpointer):
   """Steps of a training run as DCP checkpoints under ``directory``, through the sidecars:
   the one :class:`~sidecar._src.controller.checkpoint.checkpointer.Checkpointer` (as
-  ``ctl.checkpointer``'s, ``sidecar.jax.Checkpointer``) with DCP's agreement plug
-  (:class:`DcpAgreement`).
+  ``ctl.checkpointer``'s, ``sidecar.jax.Checkpointer``) with DCP's driver
+  (:class:`DcpDriver`).
 
   Example::
 
@@ -83,12 +83,12 @@ class Checkpointer(checkpointer_lib.Checkpointer):
                   if dist.is_initialized() and dist.get_world_size() > 1 else None)
     super().__init__(
         directory, site=ctl.checkpoint_sidecars(), options=options, peers=ctl.peers,
-        agreement=functools.partial(DcpAgreement, controller=ctl, group=group),
+        driver=functools.partial(DcpDriver, controller=ctl, group=group),
         key=f"torch-ckpt/{next(_instances)}")
 
 
-class DcpAgreement(Agreement):
-  """DCP's agreement plug: ``dcp.async_save`` with :class:`~sidecar._src.torch.storage.
+class DcpDriver(Driver):
+  """DCP's driver: ``dcp.async_save`` with :class:`~sidecar._src.torch.storage.
   StorageWriter` (DCP's coordinator rank begins and commits, DCP's planner describes the
   state dict), ``dcp.load`` with ``StorageReader``. Each step is a plain DCP checkpoint:
   ``dcp.load(sd, storage_reader=FileSystemReader(f"{directory}/{step}"))`` reads it too.

@@ -11,7 +11,8 @@ it (no copy): a tensor holds its block until it (and every view of it) is freed.
 ``state_dict()`` is what the rank consumed, not what was prefetched: JSON, the same on
 every rank, as ``torchdata``'s ``StatefulDataLoader`` gives it; ``load_state_dict(sd)``
 before iterating resumes there, on this or another world size with the same global
-batch.
+batch; ``seek(sd)`` moves the iteration in progress there (an in-process rollback:
+``sidecar.torch.Recovery``).
 """
 
 from __future__ import annotations
@@ -197,6 +198,29 @@ class DataLoader:
       InvalidArgumentError: the state is of another pipeline or seed, or of another global
         batch size (``batch_size * WORLD_SIZE`` must stay what it was).
     """
+    position = self._position(state_dict)
+    self.close()
+    self._resume = position
+
+  def seek(self, state_dict: Mapping[str, Any] | None) -> None:
+    """Moves the loader to ``state_dict`` (from :meth:`state_dict`; None: the start) now:
+    the next batch of the iteration in progress is the one after it, its batches made
+    ahead dropped (``Feed.seek``); with none in progress, the next iteration starts there.
+    For a rollback inside the process (``sidecar.torch.Recovery``): a ``for`` loop over
+    the loader goes on from the position of the step restored. Every rank seeks to the
+    same state.
+
+    Raises:
+      InvalidArgumentError: as :meth:`load_state_dict`.
+    """
+    position = None if state_dict is None else self._position(state_dict)
+    if self._feed is None:
+      self._resume = position
+      return
+    self._feed.seek(position)
+
+  def _position(self, state_dict: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The feed's position ``state_dict`` holds, checked against this loader."""
     if not isinstance(state_dict, Mapping) or state_dict.get("version") != STATE_VERSION:
       raise errors.InvalidArgumentError(
           f"state_dict must come from DataLoader.state_dict() (version {STATE_VERSION}), got "
@@ -214,9 +238,8 @@ class DataLoader:
       raise errors.InvalidArgumentError(
           f"the state is of pipeline {state_dict.get('pipeline')!r} with seed "
           f"{state_dict.get('seed')!r}; this loader reads {self.pipeline!r} with seed {self.seed}")
-    self.close()
     try:
-      self._resume = json.loads(state_dict.get("feed") or "null")
+      return json.loads(state_dict.get("feed") or "null")
     except (TypeError, ValueError) as e:
       raise errors.InvalidArgumentError(f"state_dict['feed'] is not the JSON it was: {e}") from None
 

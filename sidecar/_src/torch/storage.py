@@ -3,8 +3,8 @@ work unchanged with ``storage_writer=StorageWriter(path)`` / ``storage_reader=St
 
 Thin adapters over the core's checkpoint protocol: a save is one of the core's
 ``controller/checkpoint/save_run.SaveRun``, whose methods DCP's hooks call, with DCP's
-coordinator rank as the agreement between the ranks (``coordination.Coordinator``); a restore
-is the core's tier fallback (``restore.ShardReads``).
+coordinator rank as the coordination between the ranks (``coordination.Coordinator``); a restore
+is the core's tier fallback (``shard_reads.ShardReads``).
 
 A save stalls each rank for one copy of its tensors into its node's sidecar's arena
 (``write_data``, or ``stage`` under ``dcp.async_save``), by the core's one stager
@@ -17,8 +17,8 @@ DCP's Metadata and finishes the run as every framework's save does (``SaveRun.fi
 with ``replicas`` the replication starts, ``replicated`` resolving apart; every sidecar's
 part is waited for and committed with one rename, or aborted everywhere): stock
 ``FileSystemReader`` then reads the directory. ``sidecar.torch.Checkpointer`` is the
-core's one Checkpointer with these classes as its agreement plug
-(``torch/checkpointer.DcpAgreement``).
+core's one Checkpointer with these classes as its driver
+(``torch/checkpointer.DcpDriver``).
 ``StorageReader`` takes each item from the RAM tier of the sidecar that holds it (no
 storage read, no pickle: the plan in the manifest rebuilds the Metadata), else a
 replica on another sidecar, else storage, each shard's crc32c checked; a directory stock
@@ -57,13 +57,14 @@ from sidecar._src.ckptfmt import records, registry as formats_lib
 from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart, distcp
 from sidecar._src.ckptfmt.records import Manifest, ShardId, ShardRecord
 from sidecar._src.ckptfmt.registry import DCP
+from sidecar._src.ckptfmt.tiers import Tier
 from sidecar._src.controller import controller as core
 from sidecar._src.controller.checkpoint import staging
 from sidecar._src.controller.checkpoint.coordination import Coordinator
 from sidecar._src.controller.checkpoint.options import CheckpointOptions, options_or
-from sidecar._src.controller.checkpoint.restore import ShardReads, warn_unchecked
 from sidecar._src.controller.checkpoint.save_protocol import SaveProtocol, Target
 from sidecar._src.controller.checkpoint.save_run import Ending, SaveRun
+from sidecar._src.controller.checkpoint.shard_reads import ShardReads, Source, warn_unchecked
 from sidecar._src.controller.checkpoint.sidecars import SidecarsSnapshot
 from sidecar._src.controller.checkpoint.staging import ShardCopy, allocate, copy_in
 from sidecar._src.core import errors, interrupts, trees
@@ -135,7 +136,7 @@ class StorageWriter(_Writer):
     self.is_coordinator = False
     self._opened: set[str] = set()
     self._run: SaveRun | None = None  # this save's step (one per save: reset() drops it)
-    self.ending: Ending | None = None  # a Checkpointer's save's end (DcpAgreement's)
+    self.ending: Ending | None = None  # a Checkpointer's save's end (DcpDriver's)
 
   @property
   def replicated(self) -> concurrent.futures.Future | None:
@@ -309,7 +310,7 @@ class StorageReader(_Reader):
   Each item comes from the RAM tier of the sidecar that staged it (another sidecar on
   this machine's arena is mapped here: no copy), else from a replica on another sidecar, else from
   storage through this rank's sidecar, its crc32c checked (the core's tier fallback,
-  ``restore.ShardReads``). A checkpoint stock DCP wrote (no manifest of ours) is read as
+  ``shard_reads.ShardReads``). A checkpoint stock DCP wrote (no manifest of ours) is read as
   ``FileSystemReader`` reads it.
   """
 
@@ -377,12 +378,13 @@ class StorageReader(_Reader):
   def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
     return plans
 
-  def _sources(self, owner: int) -> list[tuple[int, str]]:
+  def _sources(self, owner: int) -> list[Source]:
     """Where to read an item ``owner`` staged, in order: its RAM tier (else its storage),
-    the peers that keep its replica (the manifest names them), storage through this rank's
+    the hosts that keep its replica (the manifest names them), storage through this rank's
     sidecar."""
-    return [(owner, "any"), *((p, "replica") for p in self._replicas.get(owner, ())),
-            (self._home, "disk")]
+    return [Source(owner, Tier.ANY),
+            *(Source(h, Tier.REPLICA) for h in self._replicas.get(owner, ())),
+            Source(self._home, Tier.STORAGE)]
 
   @interrupts.deferring  # Ctrl-C: the reads in flight are dropped, their blocks go back
   def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
@@ -395,8 +397,8 @@ class StorageReader(_Reader):
       data, source = interrupts.wait(future)
       counts["items"] += 1
       counts["bytes"] += data.nbytes
-      counts["from_replicas"] += source.startswith("replica:")
-      counts["from_storage"] += source == "storage"
+      counts["from_replicas"] += source.tier is Tier.REPLICA
+      counts["from_storage"] += source.tier is Tier.STORAGE
       if req.type == LoadItemType.BYTE_IO:
         planner.load_bytes(req, io.BytesIO(data.tobytes()))
         continue

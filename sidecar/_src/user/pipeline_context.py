@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from sidecar._src.user import data_paths
+from sidecar._src.user import data_paths, data_roots
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -35,7 +35,7 @@ class PipelineContext:
   seed: int = 0
   epoch: int = 0
   position: int = 0
-  data_roots: data_paths.DataRoots = dataclasses.field(default=data_paths.ANYWHERE,
+  data_roots: data_roots.DataRoots = dataclasses.field(default=data_roots.ANYWHERE,
                                                        repr=False)
 
   def data_path(self, path: str | os.PathLike) -> data_paths.DataPath:

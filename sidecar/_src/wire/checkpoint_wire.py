@@ -40,13 +40,14 @@ from sidecar._src.ckptfmt.records import (
   Staged,
 )
 from sidecar._src.ckptfmt.spec import Index, KeyPath, LeafKind, LeafSpec
+from sidecar._src.ckptfmt.tiers import Tier
 from sidecar._src.core import errors
 from sidecar._src.wire import codec, pbscan, protocol
 from sidecar._src.wire.protocol import ckpt_pb, pb
 
-# Read tiers by name, as the Checkpointer and the sidecar's RAM tier say them.
-TIERS = {"any": ckpt_pb.TIER_ANY, "ram": ckpt_pb.TIER_RAM, "replica": ckpt_pb.TIER_REPLICA,
-         "disk": ckpt_pb.TIER_DISK}
+# Read tiers, as the protocol numbers them (the sidecar maps them back: a Tier is its name).
+TIERS = {Tier.ANY: ckpt_pb.TIER_ANY, Tier.RAM: ckpt_pb.TIER_RAM,
+         Tier.REPLICA: ckpt_pb.TIER_REPLICA, Tier.STORAGE: ckpt_pb.TIER_DISK}
 MAX_DIMS = 64  # a shard's rank; more is no array numpy makes
 
 

@@ -37,6 +37,16 @@ def ctl(make_server):
     yield c
 
 
+@pytest.fixture
+def torch_ctl(make_server):
+  import sidecar.torch
+  reg = registry_lib.Registry()
+  reg.add("pipeline", "rows", rows)
+  server = make_server(registry=reg, shm_size=16 << 20)
+  with sidecar.torch.Controller([f"127.0.0.1:{server.port}"], timeout=10) as c:
+    yield c
+
+
 def open_feed(ctl, state=None):
   sharding = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("data",)), P("data"))
   return ctl.feed("rows", global_batch_size=BATCH, sharding=sharding, state=state)
@@ -168,6 +178,7 @@ def test_a_save_in_flight_taken_over_is_rolled_back_to_without_waiting_for_its_w
     assert (rollback.step, rollback.tier, rollback.durable, rollback.waited_s) == (
         6, "ram", False, 0.0)
     assert "taken over and not durable yet" in rollback.summary()
+    assert f"{rollback.staged_s:.3f} s waiting for its copy" in rollback.summary()
     # the feed was moved back to step 6's position: batch 7 is next
     assert np.asarray(next(feed)["x"]).tolist() == batches(ctl, 7)[6]
     ckpt.wait()  # and step 6 becomes durable as if nothing happened
@@ -222,3 +233,52 @@ def test_seek_moves_a_feed_back_or_forward_and_reopens_a_closed_one(ctl):
     assert [np.asarray(next(feed)["x"]).tolist() for _ in range(2)] == expected[3:]
     with pytest.raises(errors.InvalidArgumentError, match="resume with the same pipeline"):
       feed.seek({**at_three, "seed": 7})
+
+
+def train_torch(ctl, directory, steps, *, fail=()):
+  """The same loop in PyTorch, as docs/pytorch.md writes it: a ``for`` over a
+  ``sidecar.torch.DataLoader``, its position saved in the state dict; ``fail`` as in
+  :func:`train`. Returns ``([(step, w)], rollbacks)``."""
+  import torch
+
+  import sidecar.torch
+  fail, log = list(fail), []
+  loader = sidecar.torch.DataLoader("rows", batch_size=BATCH, controller=ctl)
+  with sidecar.torch.Checkpointer(directory, controller=ctl) as ckpt, loader:
+    recovery = sidecar.torch.Recovery(
+        ckpt, loader, target={"w": torch.zeros(N), "data": loader.state_dict()})
+    step, w = 0, torch.zeros(N)
+    for batch in loader:
+      if step == steps:
+        break
+      try:
+        if step + 1 in fail:
+          fail.remove(step + 1)
+          raise RuntimeError(f"step {step + 1} failed")
+        w = w * 0.5 + batch["x"].sum()
+      except RuntimeError as e:
+        step, restored = recovery.recover(e, step=step + 1)
+        w = restored["w"].clone()
+        continue
+      step += 1
+      log.append((step, w.clone()))
+      if step % SAVE_EVERY == 0:
+        ckpt.save(step, {"w": w.clone(), "data": loader.state_dict()})
+    ckpt.wait()
+  return log, recovery.rollbacks
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_torch_loop_rolls_back_in_process_with_its_dataloader(torch_ctl, tmp_path):
+  """sidecar.torch.Recovery: the core's rollback, the DataLoader sought to the position
+  the restored state dict holds; the loop repeats what an uninterrupted one computes."""
+  import torch
+
+  import sidecar.torch
+  assert issubclass(sidecar.torch.Recovery, sidecar.jax.Recovery)
+  whole, _ = train_torch(torch_ctl, tmp_path / "whole", 12)
+  log, rollbacks = train_torch(torch_ctl, tmp_path / "failed", 12, fail=[8, 11])
+  assert [s for s, _ in log] == [1, 2, 3, 4, 5, 6, 7, 7, 8, 9, 10, 10, 11, 12]
+  for step, w in log:
+    assert torch.equal(w, dict(whole)[step]), step  # the re-done steps too: exactly
+  assert [(r.failed_step, r.step, r.durable) for r in rollbacks] == [(8, 6, True), (11, 9, True)]

@@ -3,6 +3,8 @@ a tenants table beside the hosts', a tenant's with its own row only, none for th
 peer token (the sidecars' own, no tenant: issue 42); nothing of it on a sidecar without a
 pool."""
 
+import io
+
 import numpy as np
 import pytest
 
@@ -57,3 +59,13 @@ def test_no_tenants_table_without_a_pool(make_server, capsys):
   assert status_lib.print_status([f"127.0.0.1:{server.port}"], timeout=5,
                              token=server.options.token) == 0
   assert "TENANT" not in capsys.readouterr().out
+
+
+def test_status_watch_redraws_the_hosts_and_feeds(make_server):
+  server = make_server()
+  out = io.StringIO()
+  assert status_lib.watch([f"127.0.0.1:{server.port}"], interval=0.05, timeout=5, out=out,
+                          refreshes=2) == 0
+  screens = out.getvalue().split("sidecar status  ")[1:]
+  assert len(screens) == 2
+  assert all("(Ctrl-C to stop)\n\n" in s and "no feeds running" in s for s in screens)

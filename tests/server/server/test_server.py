@@ -577,17 +577,19 @@ def test_a_replica_stream_cut_short_leaves_nothing_and_a_resent_one_is_whole(mak
     return ckpt_pb.ReceiveRequest(part=ckpt_pb.ReplicaPart(
         record=record_to_pb(record), offset=offset, data=data[offset:offset + 4].tobytes()))
 
-  replicas = server.checkpoints.tier.replicas
+  def replicas():
+    return {(r.final_dir, r.source): r for r in server.checkpoints.tier.replicas()}
+
   cut = [header, part(0), header]  # a second header: the stream fails there
   with pytest.raises(grpc.RpcError) as e:
     receive(iter(m.SerializeToString() for m in cut), metadata=raw.metadata, timeout=10)
   assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-  assert (item, 1) not in replicas  # not half a replica, counted as a start
+  assert (item, 1) not in replicas()  # not half a replica, counted as a start
   whole = [header, *(part(o) for o in (0, 4, 8, 12)), ckpt_pb.ReceiveRequest(done=True)]
   reply = receive(iter(m.SerializeToString() for m in whole), metadata=raw.metadata,
                   timeout=10)
   assert ckpt_pb.ReceiveResponse.FromString(reply).nbytes == 16
-  (got,) = replicas[(item, 1)].shards.values()
+  (got,) = replicas()[(item, 1)].shards.values()
   np.testing.assert_array_equal(got, data)
   raw.close()
 
@@ -621,21 +623,23 @@ def test_a_broken_replica_stream_leaves_the_resent_one_alone(make_server, tmp_pa
                             metadata=raw.metadata, timeout=10)
     return q, future
 
-  replicas = server.checkpoints.tier.replicas
+  def replicas():
+    return {(r.final_dir, r.source): r for r in server.checkpoints.tier.replicas()}
+
   qa, a = stream()
   qa.put(header)
   qa.put(part(0))
-  assert eventually(lambda: replicas.get((item, 1)) is not None and replicas[(item, 1)].partial)
-  first = replicas[(item, 1)]
+  assert eventually(lambda: (r := replicas().get((item, 1))) is not None and r.partial)
+  first = replicas()[(item, 1)]
   qb, b = stream()  # the sender's retry, on a new link
   qb.put(header)
   qb.put(part(0))
-  assert eventually(lambda: (r := replicas.get((item, 1))) is not None and r is not first)
+  assert eventually(lambda: (r := replicas().get((item, 1))) is not None and r is not first)
   qa.put(header)  # A breaks (a second header) after B started
   assert a.exception(10).code() == grpc.StatusCode.INVALID_ARGUMENT
   for m in (part(4), part(8), part(12), ckpt_pb.ReceiveRequest(done=True)):
     qb.put(m)
   assert ckpt_pb.ReceiveResponse.FromString(b.result(10)).nbytes == 16
-  (got,) = replicas[(item, 1)].shards.values()
+  (got,) = replicas()[(item, 1)].shards.values()
   np.testing.assert_array_equal(got, data)
   raw.close()

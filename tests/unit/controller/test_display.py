@@ -1,5 +1,7 @@
 """What a Controller, a feed and a checkpointer show at a prompt and in a notebook."""
 
+import io
+
 import pytest
 
 import sidecar
@@ -23,3 +25,28 @@ def test_host_rows_show_an_unreachable_host_and_each_tier():
   assert rows[1][2] == "unreachable: gone"
   html = display.html_table(display.HOST_HEADER, [["<x>", "", "", "", "", ""]])
   assert "&lt;x&gt;" in html  # escaped
+
+
+class _Tty(io.StringIO):
+  def isatty(self) -> bool:
+    return True
+
+
+def test_one_watch_loop_redraws_each_fetch_with_the_previous_and_the_seconds_since():
+  # `sidecar status --watch` and `sidecar pool status --watch` both run it (issue 72).
+  fetched = iter([1, 2, 3])
+  seen = []
+
+  def screen(now, previous, seconds):
+    seen.append((now, previous, seconds >= 0))
+    return f"screen {now}"
+  out = _Tty()
+  assert display.redraw("sidecar test", lambda: next(fetched), screen, interval=0.001,
+                        out=out, refreshes=3) == 0
+  assert seen == [(1, None, True), (2, 1, True), (3, 2, True)]
+  screens = out.getvalue().split(display.CLEAR)[1:]
+  assert len(screens) == 3 and all(s.startswith("sidecar test  ") for s in screens)
+  assert screens[0].endswith("every 0.001 s  (Ctrl-C to stop)\n\nscreen 1\n\n")
+  plain = io.StringIO()  # not a terminal: nothing cleared
+  display.redraw("t", lambda: 0, lambda *a: "", interval=0.001, out=plain, refreshes=1)
+  assert display.CLEAR not in plain.getvalue()

@@ -63,3 +63,16 @@ def test_processes_may_share_a_host_but_not_a_device():
   assert peers_lib.hosts_by_process([{"host_id": 1, "device_ids": [0, 1]},
                                      {"host_id": 0, "device_ids": [2048]}]) == {
                                          0: 1, 1: 1, 2048: 0}
+
+
+def test_check_same_is_the_new_spelling_and_agree_warns_until_0_4():
+  # Issue 72: an agreement is the sidecars' commit; the processes check their values.
+  peers = peers_lib.LocalPeers()
+  peers.check_same("a", {"step": 1}, what="the step")
+  with pytest.warns(DeprecationWarning, match=r"^sidecar.distributed.Peers.agree is deprecated "
+                                              r"since 0.3.0 and goes in 0.4.0: use "
+                                              r"sidecar.distributed.Peers.check_same"):
+    peers.agree("b", {"step": 1}, what="the step")
+  outcomes = run(2, lambda peers: peers.check_same("c", peers.index, what="the index"))
+  assert all(isinstance(e, errors.InvalidArgumentError) and "disagree on the index" in str(e)
+             for e in outcomes)

@@ -9,7 +9,7 @@ import pytest
 import sidecar
 from pipelines import arrayrecord as ar
 from sidecar._src.server.feeds import producer
-from sidecar._src.user import data_paths, registry as registry_lib
+from sidecar._src.user import data_roots, registry as registry_lib
 
 pytestmark = pytest.mark.unit
 
@@ -108,7 +108,7 @@ def test_parse_reaches_only_the_feed_s_tenant_s_allowlist(files, registry):
   def operator_secret(record: bytes):
     return {"secret": np.frombuffer(b"from the environment", np.uint8)}
 
-  bob = data_paths.DataRoots.from_dict(data_paths.DataRoots(
+  bob = data_roots.DataRoots.from_dict(data_roots.DataRoots(
       tenant="bob", where="pool.yaml:3", functions=("total",)).to_dict())  # as workers get it
   spec = producer.Spec(global_batch_size=2, ranges=((0, 2),), seed=0, num_epochs=None,
                        shard_index=0, shard_count=1, start={}, workers=0)
@@ -150,7 +150,7 @@ def test_dataset_pickles_for_spawned_workers(files):
 
 
 def test_in_a_pool_only_files_beneath_the_data_roots_are_read(files, tmp_path):
-  from sidecar._src.user.data_paths import DataRoots
+  from sidecar._src.user.data_roots import DataRoots
   mine = tmp_path / "bob"
   mine.mkdir()
   os.symlink(files[0], mine / "a.array_record")  # leads out of bob's root

@@ -75,7 +75,7 @@ def test_shard_size_must_hold_whole_records(tmp_path):
 
 
 def test_in_a_pool_a_manifest_names_shards_beneath_its_directory_only(corpus, tmp_path_factory):
-  from sidecar._src.user.data_paths import DataRoots
+  from sidecar._src.user.data_roots import DataRoots
   directory, manifest = corpus
   ctx = sidecar.PipelineContext(shard_index=0, shard_count=1,
                                 data_roots=DataRoots(roots=(str(directory),), tenant="bob"))

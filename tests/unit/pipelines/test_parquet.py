@@ -172,7 +172,7 @@ def test_registered_as_parquet():
 
 
 def test_in_a_pool_only_files_beneath_the_data_roots_are_read(paths, tmp_path):
-  from sidecar._src.user.data_paths import DataRoots
+  from sidecar._src.user.data_roots import DataRoots
   ctx = sidecar.PipelineContext(shard_index=0, shard_count=1,
                                 data_roots=DataRoots(roots=(str(tmp_path),), tenant="bob"))
   rows = parquet_lib.parquet(ctx, paths=f"{tmp_path}/*.parquet", columns=["id"])
@@ -187,7 +187,7 @@ def test_in_a_pool_only_files_beneath_the_data_roots_are_read(paths, tmp_path):
 def test_in_a_pool_a_footer_naming_another_file_is_refused(paths, tmp_path):
   """A _metadata summary (each column chunk's file_path naming a file): a pool feed reads
   each file's own bytes and refuses a footer naming another (issue 70, item 1)."""
-  from sidecar._src.user.data_paths import DataRoots
+  from sidecar._src.user.data_roots import DataRoots
   meta = pq.read_metadata(paths[0])
   meta.set_file_path("/elsewhere/alice.parquet")
   meta.write_metadata_file(str(tmp_path / "summary.parquet"))

@@ -118,7 +118,7 @@ def test_dataset_pickles_for_spawned_workers(data_dir):
 def test_in_a_pool_tfds_reads_a_view_of_the_dataset_beneath_the_data_roots(data_dir, tmp_path):
   import os
 
-  from sidecar._src.user.data_paths import DataRoots
+  from sidecar._src.user.data_roots import DataRoots
   ctx = sidecar.PipelineContext(shard_index=0, shard_count=1,
                                 data_roots=DataRoots(roots=(data_dir,), tenant="bob"))
   ds = tfds_pipeline.tfds(ctx, name="sidecar_test_tiny", split="train", data_dir=data_dir,
@@ -153,7 +153,7 @@ def test_in_a_pool_a_template_naming_shards_outside_is_refused(data_dir, tmp_pat
   import os
   import shutil
 
-  from sidecar._src.user.data_paths import OPEN_FILES, DataRoots
+  from sidecar._src.user.data_roots import OPEN_FILES, DataRoots
   alice, bob = tmp_path / "alice", tmp_path / "bob"
   shutil.copytree(data_dir, alice)
   shutil.copytree(data_dir, bob)

@@ -26,7 +26,7 @@ class Sidecars:
     answer = queue.pop(0) if len(queue) > 1 else queue[0]
     if isinstance(answer, Exception):
       raise answer
-    return {drain.Step(step, host, "/ckpt"): state for step, state in answer.items()}
+    return {drain.SidecarStep(step, host, "/ckpt"): state for step, state in answer.items()}
 
 
 def _wait(answers, *, grace=30.0, interrupted=lambda: None, committed=lambda step: False):
@@ -100,7 +100,7 @@ def test_a_sidecar_that_stops_answering_abandons_its_steps_and_the_others_go_on(
 
 
 def test_steps_of_several_directories_are_named_with_them():
-  step = drain.Step
+  step = drain.SidecarStep
   assert drain._steps([step(1, 0, "/a"), step(2, 0, "/b"), step(1, 1, "/a")]) == (
       "step 1 of /a on hosts 0, 1; step 2 of /b on host 0")
 

@@ -13,7 +13,7 @@ import pytest
 
 import sidecar
 from sidecar._src.core import beneath
-from sidecar._src.user.data_paths import ANYWHERE, DataRoots
+from sidecar._src.user.data_roots import ANYWHERE, DataRoots
 
 pytestmark = pytest.mark.unit
 
@@ -321,7 +321,7 @@ def _limited(tmp_path, most):
 def test_open_files_count_against_the_tenant_until_closed(tree, how):
   """Files held open (a reader's, a view's) count against the tenant's open_files; past
   it, its next is refused naming the quota, and closing gives them back (item 3)."""
-  from sidecar._src.user.data_paths import OPEN_FILES
+  from sidecar._src.user.data_roots import OPEN_FILES
   ctx = _limited(tree, 3)
   data = tree / "bob" / "ds"
   data.mkdir()

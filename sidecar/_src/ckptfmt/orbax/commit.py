@@ -20,6 +20,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from sidecar._src.ckptfmt import direct_io
 from sidecar._src.ckptfmt.orbax import files
 from sidecar._src.ckptfmt.spec import (
   COMMIT_SUCCESS_FILE,
@@ -113,11 +114,11 @@ def finalize(tmp_step_dir: os.PathLike | str, leaves: Sequence[LeafSpec], *,
   _write_step_metadata(tmp, commit_timestamp_nsecs=time.time_ns())
   files.write_text(tmp / COMMIT_SUCCESS_FILE, f"Checkpoint commit was successful to {final}")
   # Its entries are durable (finalize_item synced the item's) before the rename.
-  files.fsync_dir(tmp)
+  direct_io.fsync_dir(tmp)
   if final.exists():
     raise FileExistsError(f"step {final.name} was committed meanwhile at {final}")
   os.rename(tmp, final)
-  files.fsync_dir(final.parent)
+  direct_io.fsync_dir(final.parent)
   return final
 
 
@@ -144,7 +145,7 @@ def finalize_item(item_dir: os.PathLike | str, leaves: Sequence[LeafSpec], *, nu
   files.write_text(item_dir / COMMIT_SUCCESS_FILE,
               f"Checkpoint commit was successful to {item_dir}")
   for d in [*(p for p in item_dir.rglob("*") if p.is_dir()), item_dir]:
-    files.fsync_dir(d)
+    direct_io.fsync_dir(d)
 
 
 def _check_array_metadatas(item_dir: pathlib.Path, leaves: Sequence[LeafSpec],

@@ -113,12 +113,3 @@ def write_text_beneath(item: pinned.Pinned, name: str, text: str) -> None:
     f.write(text)
     f.flush()
     os.fsync(f.fileno())
-
-
-def fsync_dir(path: pathlib.Path) -> None:
-  """Makes a directory's entries durable (files created or renamed in it)."""
-  fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-  try:
-    os.fsync(fd)
-  finally:
-    os.close(fd)

@@ -13,8 +13,8 @@ sidecar to sidecar (``replicated``; with R=0 it holds the step at once, as the o
 futures do). A restore takes each shard from wherever a live copy is: the arena of the
 host that staged it, a replica on another sidecar, storage last, each crc32c checked.
 
-What differs between frameworks is in two plugs (``plugs.py``): the agreement (who drives
-the phases and how the processes agree: JAX's key-value store, DCP's coordinator rank)
+What differs between frameworks is in two plugs (``plugs.py``): the driver (who drives
+the phases and how the processes coordinate: JAX's key-value store, DCP's coordinator rank)
 and the framework (how leaves are described, copied and rebuilt).
 """
 
@@ -24,9 +24,6 @@ import concurrent.futures
 import json
 import logging
 import os
-import secrets
-import socket
-import threading
 import time
 from collections.abc import Callable
 from typing import Any, Self
@@ -34,12 +31,13 @@ from typing import Any, Self
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt.spec import KeyPath
 from sidecar._src.controller import display, elastic as elastic_lib
-from sidecar._src.controller.checkpoint import fallback as fallback_lib, ram_drop
-from sidecar._src.controller.checkpoint.coordination import agree_on_save
+from sidecar._src.controller.checkpoint import fallback as fallback_lib, holds, ram_drop
+from sidecar._src.controller.checkpoint.coordination import same_step_any_busy
 from sidecar._src.controller.checkpoint.options import CheckpointOptions
-from sidecar._src.controller.checkpoint.plugs import Agreement, Setup, key_value_agreement
+from sidecar._src.controller.checkpoint.plugs import Driver, Setup, key_value_driver
 from sidecar._src.controller.checkpoint.restore import RestoreStats
 from sidecar._src.controller.checkpoint.retention import Retention
+from sidecar._src.controller.checkpoint.save_failures import SaveFailures
 from sidecar._src.controller.checkpoint.save_protocol import Target
 from sidecar._src.controller.checkpoint.save_run import Durable, Ending, SaveHandle, done_handle
 from sidecar._src.controller.checkpoint.sidecars import SidecarsSnapshot, replica_hosts
@@ -49,7 +47,6 @@ from sidecar._src.core import (
   deprecation,
   errors,
   interrupts,
-  job as job_lib,
   progress as progress_lib,
 )
 
@@ -59,19 +56,6 @@ __all__ = ["CheckpointOptions", "Checkpointer", "KeyPath", "RestoreStats", "Save
 log = logging.getLogger(__name__)
 # A save() that waited this long for the previous save (if_busy='wait') is logged.
 BUSY_WARN_S = 0.5
-# The steps a Checkpointer of this process is saving, by (directory, step), until durable
-# or failed: a second Checkpointer of the directory (of one Controller, whose sidecar
-# session is the same) must not begin the step meanwhile, as the sidecar cannot tell it
-# from a retry. Checked in single-process jobs (where no other process waits to agree).
-_SAVING: dict[tuple[str, int], Checkpointer] = {}
-_SAVING_LOCK = threading.Lock()
-# This process's own job name, where its environment names none (core/job.py): process 0's
-# is the job's (every Checkpointer of a process opens as one job).
-# A refusal by another live job of the directory (``server/checkpoint/ownership``) is tried
-# again for this long: every sidecar of a job that just ended lets go within 5 s.
-HELD_WAIT_S = 6.0
-HELD = "is held by another live job"
-_PROCESS_JOB = f"job {secrets.token_hex(4)} (pid {os.getpid()} on {socket.gethostname()})"
 # Where the Orbax manager's doors went (their old spellings warn until 0.4.0).
 _ORBAX_MANAGER = deprecation.Moved(
     "sidecar.orbax.SidecarCheckpointHandler", note="an ocp.CheckpointManager's item; this "
@@ -81,8 +65,8 @@ _ORBAX_MANAGER = deprecation.Moved(
 class Checkpointer:
   """Numbered steps of a training run under ``directory``, through the sidecars.
 
-  Made by ``Controller.checkpointer`` (the key-value agreement and the controller's
-  framework: stock Orbax's layout) or ``sidecar.torch.Checkpointer`` (DCP's agreement and
+  Made by ``Controller.checkpointer`` (the key-value driver and the controller's
+  framework: stock Orbax's layout) or ``sidecar.torch.Checkpointer`` (DCP's driver and
   layout); see there. Under N trainer processes every process makes the same calls.
 
   Args:
@@ -91,16 +75,17 @@ class Checkpointer:
       the hosts, which of them this process drives, where their replicas go.
     options: retention, RAM tier, replicas, ``if_busy``.
     peers: the trainer processes; process 0 decides what all do.
-    agreement: makes the agreement plug (``plugs.Agreement``) for this checkpointer, from
-      what it is told (``plugs.Setup``).
-    key: the prefix of this checkpointer's agreement keys (the same in every process).
+    driver: makes the driver (``plugs.Driver``) for this checkpointer, from what it is
+      told (``plugs.Setup``).
+    key: the prefix of this checkpointer's keys between the processes (the same in every
+      process).
     sweep: whether process 0 removes uncommitted steps at open (False where an Orbax
       manager owns them).
   """
 
   def __init__(self, directory: str | os.PathLike, *, site: SidecarsSnapshot,
                options: CheckpointOptions, peers: Peers,
-               agreement: Callable[[Setup], Agreement], key: str, sweep: bool = True):
+               driver: Callable[[Setup], Driver], key: str, sweep: bool = True):
     self.options = options
     # Absolute here: the sidecars' working directory is not the trainer's.
     self.directory = os.path.abspath(os.fspath(directory))
@@ -118,9 +103,7 @@ class Checkpointer:
           f"{sorted(site.handshakes)}, the hosts are {sorted(site.hosts)}")
     self.placement = site.placement(self.replicas)
     # The job the sidecars hold the directory for (``_open``): every process's the same.
-    self._job = job_lib.name_of(os.environ) or (
-        _PROCESS_JOB if self._peers.count == 1
-        else self._peers.broadcast(f"{key}/job", _PROCESS_JOB if self._lead else None))
+    self._job = holds.job_name(peers, key)
     opened = self._open(self._local, sweep=sweep and self._lead)
     # Nobody begins a step before process 0's sweep is over; all list what it lists.
     steps = self._peers.broadcast(f"{key}/open", json.dumps(opened[0]))
@@ -129,19 +112,16 @@ class Checkpointer:
                                 max_to_keep=options.max_to_keep,
                                 keep_period=options.keep_period,
                                 steps=list(json.loads(steps)))
-    self._agreement = agreement(Setup(site=site, directory=self.directory, options=options,
-                                      replicas=self.replicas, placement=self.placement,
-                                      steps=self.all_steps))
+    self._driver = driver(Setup(site=site, directory=self.directory, options=options,
+                                replicas=self.replicas, placement=self.placement,
+                                steps=self.all_steps))
     self._saves = self._asked = self._restores = 0
     self.restored_step: int | None = None  # the step the latest restore() returned
     self._in_flight: SaveHandle | None = None
-    # The saves begun whose failure no save(), wait() or close() has raised yet; and
-    # those begun on hosts lost since (``_follow``), whose failure is told as a warning.
-    self._unreported: list[SaveHandle] = []
-    self._orphans: list[tuple[SaveHandle, list[int]]] = []
-    self._unreported_lock = threading.Lock()
-    self._saving: set[int] = set()  # steps a save() of this process is copying now
-    self._saving_lock = threading.Lock()
+    # The saves begun whose failure is not told yet (those begun on hosts lost since,
+    # ``_follow``, told as warnings).
+    self._untold = SaveFailures(self.directory)
+    self._claims = holds.StepClaims(self.directory)  # the steps it is saving now
     self._closed = False
     self._goodput = site.goodput  # told how long save() and restore() block
     if self._goodput is not None:  # the first checkpointer's directory is the job's
@@ -152,35 +132,17 @@ class Checkpointer:
                 options: CheckpointOptions, peers: Peers, framework: Framework, key: str,
                 sweep: bool = True) -> Checkpointer:
     """Deprecated: ``ctl.checkpointer(directory, ...)`` makes this Checkpointer (the
-    key-value agreement over the controller's framework)."""
+    key-value driver over the controller's framework)."""
     deprecation.warn("sidecar.jax.Checkpointer.key_value",
                      deprecation.Moved("ctl.checkpointer(directory)"))
     return cls(directory, site=site, options=options, peers=peers, key=key, sweep=sweep,
-               agreement=key_value_agreement(options=options, peers=peers,
-                                             framework=framework))
+               driver=key_value_driver(options=options, peers=peers, framework=framework))
 
   def _open(self, hosts: list[int], *, sweep: bool) -> list[list[int]]:
-    """Opens the directory on ``hosts`` for this job; the committed steps each lists.
-
-    The directory is held for this job: another live job's open is refused (one job per
-    directory), this job's processes and restarts never are.
-    """
-    holder = f"process {self._peers.index} (pid {os.getpid()} on {socket.gethostname()})"
-    deadline = time.monotonic() + HELD_WAIT_S
-    while True:
-      try:
-        return [interrupts.wait(f) for f in [
-            self._client.open(h, self.directory, ram_steps=self.options.ram_steps,
-                              ram_budget=self.options.ram_budget, sweep=sweep, job=self._job,
-                              holder=holder)
-            for h in hosts]]
-      except errors.PermissionDeniedError as e:
-        # A job that just ended is let go by each of its sidecars on its own (a restarted
-        # notebook kernel's second sidecar let go 3 ms after the first refused): retried
-        # here, the sidecar's answer immediate. Opening again is idempotent for this job.
-        if HELD not in str(e) or time.monotonic() >= deadline:
-          raise
-        interrupts.wait_event(threading.Event(), 0.1)
+    """Opens the directory on ``hosts`` for this job (another live job's open is refused);
+    the committed steps each lists."""
+    return holds.open_directory(self._client, hosts, self.directory, options=self.options,
+                                  sweep=sweep, job=self._job, process=self._peers.index)
 
   def _follow(self) -> None:
     """Moves this checkpointer to the controller's live hosts where they changed since it
@@ -201,14 +163,12 @@ class Checkpointer:
       self._open(back, sweep=False)
     replicas = site.replicas(self.options.replicas)
     placement = site.placement(replicas)
-    self._agreement = self._agreement.follow(Setup(
+    self._driver = self._driver.follow(Setup(
         site=site, directory=self.directory, options=self.options, replicas=replicas,
         placement=placement, steps=self.all_steps))
     self._retention.rehost(site.local)
     if gone:
-      with self._unreported_lock:
-        self._orphans += [(h, gone) for h in self._unreported]
-        self._unreported = []
+      self._untold.lost(gone)
     log.info("the checkpointer of %s saves on hosts %s now (lost: %s, back: %s), with %d "
              "replicas", self.directory, list(site.hosts), gone, back, replicas)
     self.site, self._local = site, list(site.local)
@@ -241,62 +201,30 @@ class Checkpointer:
     self._check_open()
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
       raise errors.InvalidArgumentError(f"step must be an int >= 0, got {step!r}")
-    with self._saving_lock:  # two threads saving one step: the second would break both
-      if step in self._saving:
-        raise errors.InvalidArgumentError(
-            f"step {step} is being saved already (another save({step}) of this checkpointer "
-            "runs now); save each step once, from one thread")
-      self._saving.add(step)
-    t0 = time.perf_counter()
-    try:
-      release = self._reserve(step)
+    with self._claims.copying(step):
+      t0 = time.perf_counter()
+      release = self._claims.reserve(step, single_process=self._peers.count == 1)
       try:
         handle = self._save(step, tree, data_state)
       except BaseException:
         release(None)
         raise
       handle.durable.add_done_callback(release)
-    finally:
-      with self._saving_lock:
-        self._saving.discard(step)
     if self._goodput is not None:
       skipped = handle.staged.done() and handle.staged.exception() is None \
           and handle.staged.result() is None
       self._goodput.saved(None if skipped else step, time.perf_counter() - t0)
     return handle
 
-  def _reserve(self, step: int) -> Callable[[Any], None]:
-    """Marks ``step`` of this directory as being saved by this Checkpointer in this
-    process (in a single-process job) until the returned callable runs; raises
-    PermissionDeniedError while another Checkpointer of this process saves it."""
-    key = (self.directory, step)
-    if self._peers.count != 1:
-      return lambda _: None
-    with _SAVING_LOCK:
-      other = _SAVING.get(key)
-      if other is not None and other is not self:
-        raise errors.PermissionDeniedError(
-            f"step {step} of {self.directory!r:.200} is being saved by another checkpointer "
-            f"of this directory in the same process: another save of step {step} into this "
-            "directory is in flight; wait for that save to end (its handle's durable), or "
-            "save each step from one checkpointer")
-      _SAVING[key] = self
-
-    def release(_: Any) -> None:
-      with _SAVING_LOCK:
-        if _SAVING.get(key) is self:
-          del _SAVING[key]
-    return release
-
   def _save(self, step: int, tree: Any, data_state: dict[str, Any] | None) -> SaveHandle:
     self._follow()
     previous = self._in_flight
     busy = previous is not None and not previous.durable.done()
-    # Every process must take the same decision on the same step: one agreement per
+    # Every process must take the same decision on the same step: one exchange per
     # save() call, skipped or not (a skip reusing the next save's key read stale values).
     self._asked += 1
-    busy = agree_on_save(self._peers, f"{self._key}/ask/{self._asked}", step, busy,
-                         what=f"save {self._asked} in {self.directory}")
+    busy = same_step_any_busy(self._peers, f"{self._key}/ask/{self._asked}", step, busy,
+                              what=f"save {self._asked} in {self.directory}")
     if busy:
       if self.options.if_busy == "skip":
         return done_handle(step, None)
@@ -304,8 +232,7 @@ class Checkpointer:
         t0 = time.perf_counter()
         interrupts.wait_done(previous.durable)
         waited = time.perf_counter() - t0
-        with self._unreported_lock:
-          gone = next((g for h, g in self._orphans if h is previous), None)
+        gone = self._untold.lost_with(previous)
         if gone is not None:  # not the storage: a save the loss of hosts cut short
           log.info("save(%d) in %s waited %.2f s for the save of step %d, begun before hosts "
                    "%s were lost, to end", step, self.directory, waited, previous.step, gone,
@@ -317,7 +244,7 @@ class Checkpointer:
               "the interval between saves (see the sidecar's log, 'step N: wrote ... in ... "
               "s'): save less often, or pass if_busy='skip'", step, self.directory, waited,
               previous.step, extra={"step": step})
-    # Every process's earlier saves have ended here (busy is the processes' agreement):
+    # Every process's earlier saves have ended here (busy is the processes' one decision):
     # all raise an earlier failure alike.
     self._raise_failures(f"save({step})", skipped=step)
     if step in (steps := self.all_steps()):  # whatever the framework: never replaced
@@ -326,7 +253,7 @@ class Checkpointer:
           "save never replaces a committed step: to resume, restore the latest "
           f"(latest_step() is {steps[-1]}) and save the steps after it, or save this run "
           "in a new directory")
-    handle = self._start(self._agreement.target(self.directory, step), tree, data_state)
+    handle = self._start(self._driver.target(self.directory, step), tree, data_state)
     self._in_flight = handle
     elastic_lib.at_save(handle)  # under retry(grow=True): hosts back end the attempt here
     return handle
@@ -334,7 +261,7 @@ class Checkpointer:
   def _start(self, target: Target, tree: Any, data_state: dict[str, Any] | None
              ) -> SaveHandle:
     """Copies ``tree`` into the arenas; the sidecars write and commit ``target`` (a step of
-    ``save``, or an Orbax manager's item: :func:`save_item`)."""
+    ``save``, or an Orbax manager's item: ``orbax_items.save_item``)."""
     if data_state is not None:
       try:
         data_json = json.dumps(data_state)
@@ -345,18 +272,16 @@ class Checkpointer:
     self._saves += 1
     key = f"{self._key}/save/{self._saves}"
     handle = SaveHandle(target.step, concurrent.futures.Future(), Durable())
-    with self._unreported_lock:
-      self._unreported.append(handle)
+    self._untold.begun(handle)
     if not self.replicas:  # the same for every framework: it holds the step at once
       handle.replicated.set_result(target.step)
     # The save's end (listed, durable, old steps deleted, replicated) runs on the save's
-    # own thread (``SaveRun.end``); ``wait`` and ``close`` join it (``Agreement.join``).
+    # own thread (``SaveRun.end``); ``wait`` and ``close`` join it (``Driver.join``).
     try:
-      self._agreement.start(target, tree, data_state_json=data_json,
+      self._driver.start(target, tree, data_state_json=data_json,
                             ending=Ending(handle, self._peers, key, self._retention))
     except BaseException:  # raised here: told, not to be raised again
-      with self._unreported_lock:
-        self._unreported.remove(handle)
+      self._untold.not_begun(handle)
       raise
     return handle
 
@@ -371,7 +296,9 @@ class Checkpointer:
     """Deprecated: ``sidecar.orbax.SidecarCheckpointHandler`` tells the sidecars of an
     Orbax manager's commit."""
     deprecation.warn("sidecar.jax.Checkpointer.mark_committed", _ORBAX_MANAGER)
-    item_committed(self, target)
+    self._driver.mark_committed(target)  # orbax_items.item_committed's
+    if target.whole_step:
+      self._retention.add(target.step)
 
   # ---- restore -----------------------------------------------------------
 
@@ -432,7 +359,7 @@ class Checkpointer:
 
     def attempt(s: int) -> Any:
       with progress_lib.lines(progress, f"restoring step {s}") as report:
-        return self._agreement.restore(s, target, progress=report)
+        return self._driver.restore(s, target, progress=report)
 
     restored = fallback_lib.restore(steps, attempt, fallback=fallback, intact=self._intact,
                                     peers=self._peers, key=f"{key}/try",
@@ -446,13 +373,13 @@ class Checkpointer:
   def _intact(self, step: int) -> bool:
     """Whether ``step``'s manifest and stored metadata check (the sidecar's Info, which
     raises where they do not); none of its shards is read."""
-    final_dir = self._agreement.target(self.directory, step).final_dir
+    final_dir = self._driver.target(self.directory, step).final_dir
     interrupts.wait(self._client.info(self._local[0], final_dir))
     return True
 
   def last_restore_stats(self) -> RestoreStats | None:
     """Where the shards of this process's latest successful restore came from."""
-    return self._agreement.last_restore_stats()
+    return self._driver.last_restore_stats()
 
   def _log_restore(self) -> None:
     """Logs where the latest restore's shards came from."""
@@ -464,12 +391,14 @@ class Checkpointer:
     """Deprecated: ``sidecar.orbax.SidecarCheckpointHandler`` restores an Orbax manager's
     items; a step of this checkpointer is ``restore(step, target)``."""
     deprecation.warn("sidecar.jax.Checkpointer.restore_from", _ORBAX_MANAGER)
-    return restore_item(self, final_dir, step, target, progress=progress)
+    tree = self._driver.restore_from(final_dir, step, target, progress=progress)
+    self._log_restore()  # orbax_items.restore_item's
+    return tree
 
   def data_state(self, step: int | None = None) -> dict[str, Any] | None:
     """The data position saved with ``step`` (default: the latest), or None."""
     self._follow()
-    return self._agreement.data_state(self._pick(step))
+    return self._driver.data_state(self._pick(step))
 
   def _pick(self, step: int | None) -> int:
     steps = self.all_steps()
@@ -532,45 +461,14 @@ class Checkpointer:
 
   def _failure(self, where: str, *, skipped: int | None = None) -> BaseException | None:
     """The error :meth:`_raise_failures` raises (None: none), told to nobody again. The
-    failures of saves begun before a loss are logged here instead (:meth:`_follow`)."""
-    with self._unreported_lock:
-      ended = [h for h in self._unreported if h.durable.done()]
-      self._unreported = [h for h in self._unreported if not h.durable.done()]
-      orphans = [(h, gone) for h, gone in self._orphans if h.durable.done()]
-      self._orphans = [(h, gone) for h, gone in self._orphans if not h.durable.done()]
-    for h, gone in orphans:
-      if (e := h.durable.untold()) is not None:
-        self._warn_orphan(h.step, gone, e)
-    failed = [(h.step, e) for h in ended if (e := h.durable.untold()) is not None]
-    if not failed:
-      return None
-    (step, error), later = failed[0], failed[1:]
-    latest = self.latest_step()
-    host = getattr(error, "host_id", None)
-    error.add_note(
-        f"the save of step {step} into {self.directory} failed in the background"
-        + (f" (host {host})" if isinstance(host, int) else "")
-        + f"; raised by {where}"
-        + (f", which saved nothing (step {skipped} not saved)" if skipped is not None else "")
-        + f". The latest committed step is {latest if latest is not None else 'none'}")
-    for s, e in later:
-      error.add_note(f"the save of step {s} failed too: {type(e).__name__}: {e}")
-    return error
-
-  def _warn_orphan(self, step: int, gone: list[int], error: BaseException) -> None:
-    """Says that ``step``, begun before hosts ``gone`` were lost, was not saved."""
-    latest = self.latest_step()
-    log.warning(
-        "step %d was not saved into %s: its save, begun before hosts %s were lost, failed "
-        "(%s: %s). Not raised: this checkpointer saves on the live hosts %s since; the "
-        "latest committed step is %s", step, self.directory, gone, type(error).__name__,
-        str(error)[:300], list(self.site.hosts), latest if latest is not None else "none",
-        extra={"step": step})
+    failures of saves begun before a loss are logged instead (:meth:`_follow`)."""
+    return self._untold.take(where, skipped=skipped, latest=self.latest_step,
+                               hosts=self.site.hosts)
 
   def _join(self) -> None:
     """Waits until every save this process began has ended (its ``end`` ran: durable or
     failed, old steps deleted, replication settled)."""
-    self._agreement.join()  # every save's thread, which ends it
+    self._driver.join()  # every save's thread, which ends it
 
   def _progress_line(self, step: int) -> str | None:
     """How much of ``step`` is durable; None until a sidecar has begun writing it."""
@@ -663,78 +561,3 @@ class Checkpointer:
       rows = [["-", display.error_text(e), "", "", ""]]
     make = display.html_table if html else display.text_table
     return facts, make(display.TIER_HEADER, rows)
-
-
-# ---- an Orbax manager's items --------------------------------------------------------
-# What ``sidecar.orbax``'s handler (``jax/orbax_handler.py``) does with a Checkpointer
-# whose steps an ``ocp.CheckpointManager`` numbers, commits and lists: not the public
-# Checkpointer's, whose users save and restore its own steps.
-
-def save_item(ckpt: Checkpointer, target: Target, tree: Any) -> SaveHandle:
-  """Copies ``tree`` into the arenas; the sidecars write ``target``, an item of a step
-  the manager commits (``Target.in_step``)."""
-  return ckpt._start(target, tree, None)
-
-
-def item_committed(ckpt: Checkpointer, target: Target) -> None:
-  """Tells the RAM tiers that ``target``'s step is committed (by the manager, its item
-  now at its final path, the RAM tier's key); lists a whole step (``target.whole_step``)."""
-  ckpt._agreement.mark_committed(target)
-  if target.whole_step:
-    ckpt._retention.add(target.step)
-
-
-def restore_item(ckpt: Checkpointer, final_dir: str, step: int, target: Any, *,
-                 progress: Callable[[str], None] | None = None) -> Any:
-  """Restores the committed item at ``final_dir`` (of step ``step``) onto ``target``'s
-  shardings."""
-  tree = ckpt._agreement.restore_from(final_dir, step, target, progress=progress)
-  ckpt._log_restore()
-  return tree
-
-
-# ---- an in-process rollback --------------------------------------------------------
-
-@interrupts.deferring
-def restore_taken_over(ckpt: Checkpointer, target: Any
-                       ) -> tuple[int, Any, dict[str, Any] | None] | None:
-  """Restores the save in flight from the sidecars' RAM tiers once they took it over
-  in every process, durable or not (its write goes on; if it fails, the next save
-  raises it, as any failed save's); returns ``(step, tree, data position)``. None
-  where there is nothing to restore so (no save in flight, its stage failed, or its
-  trainers commit it) or it does not restore whole: then nothing is restored. Waits
-  for the save's ``staged`` (its copy and Stages), never for its write. Every process
-  calls it together, and all take the same answer (``controller/recovery.Recovery``).
-  """
-  ckpt._check_open()
-  t0 = time.perf_counter()
-  handle = ckpt.save_in_flight()
-  step = None
-  if handle is not None:
-    interrupts.wait_done(handle.staged)
-    if handle.staged.exception() is None and handle.taken_over.done() and (
-        handle.taken_over.result()):
-      step = handle.step
-  ckpt._restores += 1
-  key = f"{ckpt._key}/rollback/{ckpt._restores}"
-  if ckpt._peers.count > 1 and len(set(ckpt._peers.all_gather(key, json.dumps(step)))) > 1:
-    return None  # some process's part was not taken over: its save fails
-  if step is None:
-    return None
-  restored = None
-  try:
-    restored = ckpt._agreement.restore_taken_over(step, target)
-  except errors.SidecarError as e:  # its text only: its frames would hold the blocks read
-    log.warning("step %d, taken over by the sidecars, could not be restored from their RAM "
-                "tiers (%s: %s): rolling back to a committed step", step,
-                type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-  if ckpt._peers.count > 1 and not all(json.loads(v) for v in ckpt._peers.all_gather(
-      f"{key}/done", json.dumps(restored is not None))):
-    return None  # restored here, not in every process: all roll back further alike
-  if restored is None:
-    return None
-  ckpt.restored_step = step
-  ckpt._log_restore()
-  if ckpt._goodput is not None:  # a restore, as restore()'s: the ledger's rollback
-    ckpt._goodput.restored(step, time.perf_counter() - t0)
-  return step, restored[0], restored[1]

@@ -39,6 +39,7 @@ from sidecar._src.ckptfmt.records import (
   Staged,
 )
 from sidecar._src.ckptfmt.spec import LeafSpec
+from sidecar._src.ckptfmt.tiers import Tier
 from sidecar._src.controller.checkpoint import ram_drop
 from sidecar._src.core import errors
 from sidecar._src.wire import checkpoint_wire as wire, codec, protocol
@@ -340,7 +341,7 @@ class CheckpointTransport(abc.ABC):
     once written; the data position on the committer's host only)."""
 
   @abc.abstractmethod
-  def read(self, host: int, final_dir: str, record: ShardRecord, *, tier: str,
+  def read(self, host: int, final_dir: str, record: ShardRecord, *, tier: Tier,
            checked: bool = True, byte_range: tuple[int, int] | None = None,
            private: bool = False) -> concurrent.futures.Future:
     """Future of the array of the shard ``record`` describes (the step's manifest's
@@ -500,7 +501,7 @@ class CheckpointClient(CheckpointTransport):
            private=False):
     if tier not in wire.TIERS:
       raise errors.InvalidArgumentError(
-          f"tier must be one of {sorted(wire.TIERS)}, got {tier!r}")
+          f"tier must be one of {sorted(map(str, wire.TIERS))}, got {tier!r}")
     w = self._worker(host)
     request = ckpt_pb.CheckpointReadRequest(
         final_dir=final_dir, record=wire.record_to_pb(record), tier=wire.TIERS[tier],

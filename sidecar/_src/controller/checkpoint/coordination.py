@@ -1,13 +1,13 @@
-"""How one save's trainer processes agree: :class:`Coordination`.
+"""How one save's trainer processes coordinate it: :class:`Coordination`.
 
 Through their key-value store (:class:`KeyValue`: process 0 begins, every process stages its
 own hosts and says at the commit whether it succeeded, and the sidecars commit), or as DCP
 does it (:class:`Coordinator`: DCP's own gather and scatter carry the plan and the results,
 and its coordinator rank alone begins, waits for every host and commits). A step as its
 beginning process began it is a :class:`Begun`, the same in every process. Before a step,
-the processes agree on it and on whether a save is in flight (:func:`agree_on_save`, which
-the Checkpointer calls). The save step itself, which calls them between its phases, is
-``save_run.SaveRun``.
+the processes check they save the same step and share whether a save is in flight
+(:func:`same_step_any_busy`, which the Checkpointer calls). The save step itself, which
+calls them between its phases, is ``save_run.SaveRun``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class Begun:
 
 
 class Coordination(abc.ABC):
-  """How one save's trainer processes agree: who begins the step, who commits it."""
+  """How one save's trainer processes coordinate: who begins the step, who commits it."""
   lead = True  # whether this process began the step (its data position is the manifest's)
   alone = True  # whether this process is the only one (it stages into every host)
   takes_over = False  # whether the sidecars commit its steps themselves (a CommitPlan)
@@ -61,7 +61,7 @@ class Coordination(abc.ABC):
 
 
 class KeyValue(Coordination):
-  """The processes agree through their key-value store (``controller/peers.Peers``)
+  """The processes coordinate through their key-value store (``controller/peers.Peers``)
   under ``key``: process 0 begins, and aborts or waits for the commit; every process
   stages its own hosts, and the sidecars commit the step once it is whole on all."""
   takes_over = True
@@ -164,7 +164,7 @@ def _gathered(d: dict, process: int, note: str) -> errors.SidecarError:
   return error
 
 
-def agree_on_save(peers: Peers, key: str, step: int, busy: bool, *, what: str) -> bool:
+def same_step_any_busy(peers: Peers, key: str, step: int, busy: bool, *, what: str) -> bool:
   """Checks every process saves ``step`` (raises in every process if not); returns
   whether any process has a save in flight, so that all take the same busy decision
   (``if_busy``: wait for it, or skip this save)."""

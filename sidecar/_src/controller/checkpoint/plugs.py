@@ -1,21 +1,21 @@
 """The plugs of the one :class:`~sidecar._src.controller.checkpoint.checkpointer.Checkpointer`.
 
 The Checkpointer owns what every framework's checkpoints share: the options, the steps
-(``retention.Retention``), one save in flight and the processes' agreement on it
+(``retention.Retention``), one save in flight and the processes' one decision on it
 (``if_busy``), the :class:`~sidecar._src.controller.checkpoint.save_run.SaveHandle`,
 ``wait``, ``close``, the RAM tier's drop. Every save is one ``save_run.SaveRun`` (begin,
 stage, the one finish, the end). What differs between frameworks is one small object, as
 Orbax v1's ``training.Checkpointer`` holds its policies, made from a :class:`Setup`
 (what it needs, handed over explicitly):
 
-- the **agreement plug** (:class:`Agreement`): who drives a save's run, how the trainer
-  processes agree on it (its ``coordination.Coordination``) and how leaves are described,
-  copied and rebuilt. :class:`KeyValueAgreement` (JAX's, the numpy core's): the
+- the **driver** (:class:`Driver`): who drives a save's run, how the trainer
+  processes coordinate it (its ``coordination.Coordination``) and how leaves are described,
+  copied and rebuilt. :class:`KeyValueDriver` (JAX's, the numpy core's): the
   framework's shards (``controller/framework.Framework``), process 0 begins and commits,
-  the processes agree through their key-value store (``coordination.KeyValue``), each
-  stages its own shards from one finisher thread (:class:`SaveCoordinator`, here: the
-  key-value plug's saves).
-  ``torch/checkpointer.DcpAgreement``: DCP's planner over the state dict, through
+  the processes coordinate through their key-value store (``coordination.KeyValue``), each
+  stages its own shards from one finisher thread (:class:`SaveRunner`, here: the
+  key-value driver's saves).
+  ``torch/checkpointer.DcpDriver``: DCP's planner over the state dict, through
   ``dcp.async_save`` with ``torch/storage.StorageWriter``, whose hooks drive the run
   (``coordination.Coordinator``: DCP's own gather and scatter around ``prepare_global_plan``
   and ``finish``).
@@ -23,7 +23,7 @@ Orbax v1's ``training.Checkpointer`` holds its policies, made from a :class:`Set
 A plug answers by method (``mark_committed``, ``restore_from``: an Orbax manager's items,
 which only the key-value plug saves), never by a type test.
 
-The key-value plug's saves (:class:`SaveCoordinator`): a save copies every addressable
+The key-value driver's saves (:class:`SaveRunner`): a save copies every addressable
 shard once into the arena of the host that owns its device (replicated shards once)
 through the one stager (``staging.copy_in``), hands the blocks on in lots and returns; a
 shard still on its way from an accelerator (a ``DeviceCopy``) is copied by the stager
@@ -61,7 +61,7 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Setup:
-  """What an agreement plug is made with, from its Checkpointer (nothing read back from
+  """What a driver is made with, from its Checkpointer (nothing read back from
   the Checkpointer itself).
 
   Attributes:
@@ -80,8 +80,10 @@ class Setup:
   steps: Callable[[], list[int]]
 
 
-class Agreement(abc.ABC):
-  """Who drives a step's phases on the sidecars, and how the processes agree (see the module)."""
+class Driver(abc.ABC):
+  """Who drives a step's phases on the sidecars, how the trainer processes coordinate
+  them, and how a step is restored (see the module). Not the sidecars' agreement on a
+  commit (``server/checkpoint/agreement.py``): a driver's processes only exchange keys."""
 
   @abc.abstractmethod
   def target(self, directory: str, step: int) -> Target:
@@ -94,7 +96,7 @@ class Agreement(abc.ABC):
     way: ``ending.handle.staged`` resolves when staged) and writes ``target`` in the
     background, one ``save_run.SaveRun``, which a thread of the save (not the caller's)
     ends once (``SaveRun.end``) when the step is committed (and the RAM tiers told) or the
-    save failed. ``ending.key``: the save's agreement keys' prefix."""
+    save failed. ``ending.key``: the prefix of the save's keys between the processes."""
 
   def mark_committed(self, target: Target) -> None:
     """Tells the RAM tiers that ``target`` (an item another commits) is visible."""
@@ -138,7 +140,7 @@ class Agreement(abc.ABC):
   def join(self) -> None:
     """Waits until every save it started has called its ``end`` (Ctrl-C stops the wait)."""
 
-  def follow(self, setup: Setup) -> Agreement:
+  def follow(self, setup: Setup) -> Driver:
     """This plug on ``setup``'s hosts, the controller's live hosts now (one was lost, or
     came back); the saves this one started are joined by the one returned. By default
     itself: a plug that asks the controller for its sidecars at each save follows them
@@ -147,30 +149,30 @@ class Agreement(abc.ABC):
     return self
 
 
-class KeyValueAgreement(Agreement):
-  """JAX's and the numpy core's: :class:`SaveCoordinator` stages this process's shards,
-  process 0 begins and commits, the processes agree through their key-value store; a
+class KeyValueDriver(Driver):
+  """JAX's and the numpy core's: :class:`SaveRunner` stages this process's shards,
+  process 0 begins and commits, the processes coordinate through their key-value store; a
   restore reads each shard from a live copy (``restore.Restorer``)."""
 
-  def __init__(self, coordinator: SaveCoordinator, restorer: Restorer, *,
-               make: Callable[[Setup], KeyValueAgreement]):
-    self.coordinator, self._restorer, self._make = coordinator, restorer, make
+  def __init__(self, runner: SaveRunner, restorer: Restorer, *,
+               make: Callable[[Setup], KeyValueDriver]):
+    self.runner, self._restorer, self._make = runner, restorer, make
     self._last: RestoreStats | None = None
 
   def target(self, directory: str, step: int) -> Target:
     """Step ``step`` of ``directory`` as Begin takes it, in the chosen format's layout."""
-    return Target.for_step(self.coordinator.fmt, directory, step)
+    return Target.for_step(self.runner.fmt, directory, step)
 
   def start(self, target: Target, tree: Any, *, data_state_json: str, ending: Ending
             ) -> None:
-    self.coordinator.save_to(target, tree, data_state_json=data_state_json, ending=ending)
+    self.runner.save_to(target, tree, data_state_json=data_state_json, ending=ending)
 
   def mark_committed(self, target: Target) -> None:
-    self.coordinator.mark_committed(target)
+    self.runner.mark_committed(target)
 
   def restore(self, step: int, target: Any, *, progress: Callable[[str], None] | None
               ) -> Any:
-    return self.restore_from(self.target(self.coordinator.directory, step).final_dir,
+    return self.restore_from(self.target(self.runner.directory, step).final_dir,
                              step, target, progress=progress)
 
   def restore_from(self, final_dir: str, step: int, target: Any, *,
@@ -180,42 +182,42 @@ class KeyValueAgreement(Agreement):
 
   def restore_taken_over(self, step: int, target: Any) -> tuple[Any, dict[str, Any] | None]:
     tree, self._last = self._restorer.restore(
-        self.target(self.coordinator.directory, step).final_dir, step, target, taken_over=True)
+        self.target(self.runner.directory, step).final_dir, step, target, taken_over=True)
     return tree, self._last.data_state
 
   def last_restore_stats(self) -> RestoreStats | None:
     return self._last
 
   def data_state(self, step: int) -> dict[str, Any] | None:
-    c = self.coordinator
-    return interrupts.wait(c.client.info(
-        c.local[0], self.target(c.directory, step).final_dir)).data_state
+    r = self.runner
+    return interrupts.wait(r.client.info(
+        r.local[0], self.target(r.directory, step).final_dir)).data_state
 
   def join(self) -> None:
-    for finisher in list(self.coordinator.finishers):
+    for finisher in list(self.runner.finishers):
       if finisher is not threading.current_thread():
         while finisher.is_alive():  # a join Ctrl-C can stop
           finisher.join(interrupts.POLL_S)
           interrupts.check()
 
-  def follow(self, setup: Setup) -> KeyValueAgreement:
-    """A new coordinator and restorer on ``setup``'s hosts; the saves still running on the
+  def follow(self, setup: Setup) -> KeyValueDriver:
+    """A new runner and restorer on ``setup``'s hosts; the saves still running on the
     old hosts are this one's finishers, which the new one joins."""
     new = self._make(setup)
-    new.coordinator.finishers = [t for t in self.coordinator.finishers if t.is_alive()]
+    new.runner.finishers = [t for t in self.runner.finishers if t.is_alive()]
     new._last = self._last
     return new
 
 
-def key_value_agreement(*, options: CheckpointOptions, peers: Peers, framework: Framework
-                        ) -> Callable[[Setup], Agreement]:
-  """Makes ``ctl.checkpointer``'s plug: the key-value agreement over ``framework``, on
+def key_value_driver(*, options: CheckpointOptions, peers: Peers, framework: Framework
+                     ) -> Callable[[Setup], Driver]:
+  """Makes ``ctl.checkpointer``'s driver: the key-value driver over ``framework``, on
   the setup's sidecars, in the format ``options`` choose (stock Orbax's by default)."""
 
-  def plug(setup: Setup) -> KeyValueAgreement:
+  def plug(setup: Setup) -> KeyValueDriver:
     site = setup.site
     hosts, local = list(site.hosts), list(site.local)
-    coordinator = SaveCoordinator(
+    runner = SaveRunner(
         client=site.client, directory=setup.directory, hosts=hosts, local=local,
         device_hosts=site.device_hosts, peers=peers, replicas=setup.replicas,
         placement=setup.placement, replica_bandwidth=options.bandwidth,
@@ -226,7 +228,7 @@ def key_value_agreement(*, options: CheckpointOptions, peers: Peers, framework: 
                         mapped=set(site.mapped),
                         ask_all=bool(setup.replicas) or peers.count == 1,
                         framework=framework)
-    return KeyValueAgreement(coordinator, restorer, make=plug)
+    return KeyValueDriver(runner, restorer, make=plug)
 
   return plug
 
@@ -236,7 +238,7 @@ def _mib(nbytes: int) -> str:
   return f"{-(-nbytes // (1 << 20))}MiB"
 
 
-class SaveCoordinator:
+class SaveRunner:
   """Runs saves: stages this process's shards, then commits with the others or aborts.
 
   Args:
@@ -245,8 +247,8 @@ class SaveCoordinator:
     hosts: every sidecar host; ``local``: those this process stages into.
     device_hosts: the host of each device id.
     peers: the trainer processes; process 0 begins, commits and aborts.
-    replicas: peer copies per shard; ``placement``: each host's peers (by host id: each
-      sidecar knows their addresses); ``replica_bandwidth``: bytes/s, or None.
+    replicas: replica copies per shard; ``placement``: each host's replica hosts (by host
+      id: each sidecar knows their addresses); ``replica_bandwidth``: bytes/s, or None.
     framework: describes a state tree's shards (which this process saves).
     format: the format the sidecars write (``CheckpointOptions.format_for`` chose it).
     writers: the processes that stage into each host, where several share one (each
@@ -275,7 +277,7 @@ class SaveCoordinator:
               ending: Ending) -> None:
     """Copies ``tree`` into the arenas; the sidecars write and commit ``target`` (one
     :class:`~sidecar._src.controller.checkpoint.save_run.SaveRun`, which the finisher
-    thread drives and ends: ``plugs.Agreement.start``)."""
+    thread drives and ends: ``plugs.Driver.start``)."""
     run = self.run(target, ending)
     # Parts go to the sidecars while the copy goes on: their writes overlap the rest
     # of the copy.
@@ -309,8 +311,8 @@ class SaveCoordinator:
       interrupts.wait_done(ending.handle.staged)
 
   def run(self, target: Target, ending: Ending | None) -> SaveRun:
-    """The save of ``target``: this process stages its own hosts, the processes agree
-    through their key-value store (``ending.key``'s)."""
+    """The save of ``target``: this process stages its own hosts, the processes
+    coordinate through their key-value store (``ending.key``'s)."""
     key = ending.key if ending is not None else ""
     return SaveRun(self._protocol, target, hosts=self._hosts, local=self.local,
                    placement=self._placement, bandwidth=self._replica_bandwidth,
@@ -407,7 +409,7 @@ class SaveCoordinator:
       try:
         run.begin()
         run.stage(staged, leaves=leaves, data_state_json=data_json)
-      except BaseException as e:  # every process must reach the commit's agreement
+      except BaseException as e:  # every process must reach the commit's exchange
         error = e.with_traceback(None)  # its frames would hold the staged blocks
       try:
         run.finish(error, leaves=leaves, data_state_json=data_json)

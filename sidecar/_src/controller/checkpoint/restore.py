@@ -1,10 +1,11 @@
-"""Restores for :class:`~sidecar._src.controller.checkpoint.checkpointer.Checkpointer`: tiers,
-reads, resharding.
+"""Restores for :class:`~sidecar._src.controller.checkpoint.checkpointer.Checkpointer`: a step's
+shards onto a target, resharded, and where they came from.
 
 A restore takes each shard from wherever a live copy is: the arena of the host that
-staged it, a replica on another sidecar, storage last; it checks each crc32c, assembles the blocks
-of the target's shardings (resharding where they differ from the saved ones) and says
-where the shards came from (:class:`RestoreStats`).
+staged it, a replica on another sidecar, storage last (the sources it asks for, in order:
+each shard's read and fallback are ``shard_reads.ShardReads``'); it assembles the blocks of
+the target's shardings (resharding where they differ from the saved ones) and says where
+the shards came from (:class:`RestoreStats`).
 """
 
 from __future__ import annotations
@@ -12,11 +13,9 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
-import functools
 import logging
 import math
 import os
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,14 +26,19 @@ from sidecar._src.arena import shm
 from sidecar._src.ckptfmt import records
 from sidecar._src.ckptfmt.records import SavedLeaf, ShardId, ShardRecord
 from sidecar._src.ckptfmt.spec import KeyPath
+from sidecar._src.ckptfmt.tiers import Tier
 from sidecar._src.controller.checkpoint.client import CheckpointTransport
+from sidecar._src.controller.checkpoint.shard_reads import (
+  ShardRead,
+  ShardReads,
+  Source,
+  tier_of,
+  warn_unchecked,
+)
 from sidecar._src.controller.framework import Framework, RestoreLeaf, RestoreTarget
-from sidecar._src.core import dtypes as dtypes_lib, errors, interrupts
+from sidecar._src.core import errors, interrupts
 
 log = logging.getLogger(__name__)
-# A RAM-tier shard read over gRPC (its host's arena not mapped here) comes in pieces of
-# at most this many bytes: well under the channel's 256 MiB message limit.
-READ_PIECE_BYTES = 64 << 20
 # Threads a restore checks the crc32c of mapped RAM copies on (the check lets go of the GIL).
 _CHECK_THREADS = min(8, os.cpu_count() or 1)
 
@@ -60,7 +64,7 @@ class RestoreStats:
     """Bytes read from each tier (``"ram"``, ``"replica"``, ``"storage"``), whatever host."""
     out: dict[str, int] = {}
     for source, n in self.bytes.items():
-      tier = source.split(":", 1)[0]
+      tier = tier_of(source)
       out[tier] = out.get(tier, 0) + n
     return out
 
@@ -68,7 +72,7 @@ class RestoreStats:
   def tier(self) -> str:
     """``"ram"``, ``"replica"`` or ``"storage"``: where every shard came from; ``"mixed"``
     where they came from several tiers; ``"none"`` where the step had no shard."""
-    tiers = {source.split(":", 1)[0] for source in self.shards}
+    tiers = {tier_of(source) for source in self.shards}
     if not tiers:
       return "none"
     return tiers.pop() if len(tiers) == 1 else "mixed"
@@ -127,7 +131,8 @@ class Restorer:
     for want in flat:
       self._check_leaf(want, saved, step)
     # A step taken over is in the RAM tiers of the hosts that staged it, nowhere else yet.
-    held, gone = (({c.id: [(c.host, "ram")] for c in manifest.shards if c.host is not None}, [])
+    held, gone = (({c.id: [Source(c.host, Tier.RAM)] for c in manifest.shards
+                    if c.host is not None}, [])
                   if taken_over else self._holdings(final_dir))
     # Copies this process maps are checked here, on threads this restore owns, while the
     # leaves read go on to their devices; a leaf whose copy fails its check is done again.
@@ -188,8 +193,8 @@ class Restorer:
     counts: dict[str, int] = {}
     sizes: dict[str, int] = {}
     for data, source in shards.values():
-      counts[source] = counts.get(source, 0) + 1
-      sizes[source] = sizes.get(source, 0) + data.nbytes
+      counts[source.label] = counts.get(source.label, 0) + 1
+      sizes[source.label] = sizes.get(source.label, 0) + data.nbytes
     stats = RestoreStats(step, time.perf_counter() - t0, counts, sizes,
                          data_state=manifest.data_state)
     return wanted.build(out), stats
@@ -243,12 +248,11 @@ class Restorer:
           f"target leaf {name!r} is {dtype.name}{list(shape)} but step {step} saved "
           f"{leaf.dtype}{list(leaf.shape)}")
 
-  def _holdings(self, final_dir: str
-                ) -> tuple[dict[ShardId, list[tuple[int, str]]], list[int]]:
-    """Every live RAM copy of each shard, as ``(host, tier)``, and the hosts that did
-    not answer. Tier ``ram``: the arena of the host that staged it; ``replica``: one another
+  def _holdings(self, final_dir: str) -> tuple[dict[ShardId, list[Source]], list[int]]:
+    """Every live RAM copy of each shard, as a :class:`Source`, and the hosts that did
+    not answer. Tier ``RAM``: the arena of the host that staged it; ``REPLICA``: one another
     sidecar sent."""
-    where: dict[ShardId, list[tuple[int, str]]] = {}
+    where: dict[ShardId, list[Source]] = {}
     gone = []
     hosts = self._hosts if self._ask_all else self._local
     futures: dict[int, concurrent.futures.Future] = {}
@@ -263,23 +267,23 @@ class Restorer:
       except errors.SidecarError:
         gone.append(h)
         continue
-      copies = [(shard, "ram") for shard in held.own.get(final_dir, [])]
-      copies += [(shard, "replica") for shards in held.replicas.get(final_dir, {}).values()
+      copies = [(shard, Tier.RAM) for shard in held.own.get(final_dir, [])]
+      copies += [(shard, Tier.REPLICA) for shards in held.replicas.get(final_dir, {}).values()
                  for shard in shards]
       for shard, tier in copies:
-        where.setdefault(shard, []).append((h, tier))
+        where.setdefault(shard, []).append(Source(h, tier))
     return where, gone
 
-  def _sources(self, key: ShardId, held, host: int, storage: bool = True
-               ) -> list[tuple[int, str]]:
+  def _sources(self, key: ShardId, held: dict[ShardId, list[Source]], host: int,
+               storage: bool = True) -> list[Source]:
     """Where to read a shard, in order: RAM copies (the target block's host, then the
     hosts whose arenas this process maps, then the rest; own copies before replicas),
     then (``storage``) storage through the block's host or this process's."""
-    def rank(copy: tuple[int, str]) -> tuple:
-      h, tier = copy
-      return (h != host, h not in self._mapped, tier != "ram", h)
+    def rank(copy: Source) -> tuple:
+      return (copy.host != host, copy.host not in self._mapped, copy.tier is not Tier.RAM,
+              copy.host)
     tries = sorted(held.get(key, []), key=rank)
-    return tries + ([(h, "disk") for h in dict.fromkeys([host, *self._local])]
+    return tries + ([Source(h, Tier.STORAGE) for h in dict.fromkeys([host, *self._local])]
                     if storage else [])
 
   def _read_all(self, final_dir: str, flat, stored, held,
@@ -382,233 +386,6 @@ class Restorer:
     if out is None:
       raise errors.InvalidArgumentError(f"{final_dir}: no stored shard covers {kp} {region}")
     return out
-
-
-class ShardReads:
-  """The tier fallback of a restore, for every framework and format: the stored shard a
-  record of the step's manifest describes, read from the first of its sources
-  (``(host, tier)``: ``"ram"``, ``"replica"``, ``"any"``, ``"disk"``) whose copy reads
-  and passes the record's checks (crc32c, dtype, shape). The record goes down to the
-  sidecar's read as it is (``CheckpointTransport.read``).
-
-  Args:
-    client: the sidecars.
-    mapped: the hosts whose arenas this process maps (a RAM-tier shard of another host,
-      read over gRPC, comes in pieces of at most ``READ_PIECE_BYTES``).
-  """
-
-  def __init__(self, client: CheckpointTransport, mapped: set[int] | frozenset[int]):
-    self.client, self.mapped = client, mapped
-
-  def first(self, final_dir: str, record: ShardRecord, sources: Sequence[tuple[int, str]],
-            dtype: np.dtype | None = None) -> concurrent.futures.Future:
-    """A future of ``(data, source)``, ``source`` its label (``"ram:host0"``,
-    ``"replica:host1"``, ``"storage"``), from the first of ``sources`` that gives a valid
-    copy; else of ShardsLostError naming every try (or another failure as it is).
-    ``dtype``: the leaf's, for a record that says none (an earlier release's manifest)."""
-    return self.start(final_dir, record, sources, dtype).out
-
-  def start(self, final_dir: str, record: ShardRecord, sources: Sequence[tuple[int, str]],
-            dtype: np.dtype | None = None,
-            checks: concurrent.futures.Executor | None = None, *,
-            private: bool = False) -> ShardRead:
-    """:meth:`first`'s read, begun; with ``checks``, a RAM copy this process maps is read
-    unchecked and checked here, on ``checks`` (:class:`ShardRead`); ``private``: a copy
-    this process maps comes copy-on-write (``CheckpointTransport.read``)."""
-    read = ShardRead(self, final_dir, record, list(sources), _Form.of(record, dtype), checks,
-                     private)
-    read.attempt(0)
-    return read
-
-  def read(self, host: int, final_dir: str, record: ShardRecord, tier: str, form: _Form,
-           *, checked: bool = True, private: bool = False) -> concurrent.futures.Future:
-    """One source's read of the shard: in pieces where it is large and not mapped here."""
-    if (tier in ("ram", "replica") and host not in self.mapped and form.known
-        and form.nbytes > READ_PIECE_BYTES):
-      return self._read_pieces(final_dir, record, tier, host, form, checked)
-    return self.client.read(host, final_dir, record, tier=tier, checked=checked,
-                            private=private)
-
-  def _read_pieces(self, final_dir: str, record: ShardRecord, tier: str, host: int,
-                   form: _Form, checked: bool) -> concurrent.futures.Future:
-    """A future of a RAM-tier shard read from ``host`` over gRPC in pieces of at most
-    READ_PIECE_BYTES, assembled here (the host checks the whole shard's crc32c, with the
-    first piece)."""
-    out: concurrent.futures.Future = concurrent.futures.Future()
-    assert form.shape is not None
-    data = np.empty(form.shape, form.dtype)
-    flat = data.reshape(-1).view(np.uint8)
-    pieces = [(o, min(READ_PIECE_BYTES, flat.nbytes - o))
-             for o in range(0, flat.nbytes, READ_PIECE_BYTES)]
-    left = [len(pieces)]
-    lock = threading.Lock()
-
-    def done(offset: int, f: concurrent.futures.Future) -> None:
-      error = f.exception()
-      if error is None:
-        piece = f.result()
-        flat[offset:offset + piece.nbytes] = piece
-      with lock:  # the first failure fails the shard; else the last piece completes it
-        left[0] -= 1
-        if out.done():
-          return
-        if error is not None:
-          out.set_exception(error)
-        elif left[0] == 0:
-          out.set_result(data)
-
-    for offset, nbytes in pieces:
-      # Only the first piece asks for the check: the host checks the whole shard once, and
-      # its failure fails the shard (the pieces all go at once, so each would check it).
-      future = self.client.read(host, final_dir, record, tier=tier,
-                                checked=checked and offset == 0, byte_range=(offset, nbytes))
-      future.add_done_callback(functools.partial(done, offset))
-    return out
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Form:
-  """The dtype and shape a shard's copy must have: its record's; where the record says
-  none (an earlier release's manifest), its leaf's dtype and its index's extent (None:
-  not known, a DCP bytes item's, or no dtype given)."""
-
-  dtype: np.dtype | None
-  shape: tuple[int, ...] | None
-
-  @classmethod
-  def of(cls, record: ShardRecord, dtype: np.dtype | None) -> _Form:
-    if record.dtype:
-      return cls(dtypes_lib.dtype_of(record.dtype, f"the record of {list(record.key_path)}"),
-                 record.shape)
-    return cls(dtype, tuple(b - a for a, b in record.index) if record.index else None)
-
-  @property
-  def known(self) -> bool:
-    return self.dtype is not None and self.shape is not None
-
-  @property
-  def nbytes(self) -> int:
-    assert self.dtype is not None and self.shape is not None
-    return math.prod(self.shape) * self.dtype.itemsize
-
-
-class ShardRead:
-  """One stored shard's read, trying its sources in turn until one reads and checks.
-
-  ``out``: a future of ``(data, source)``, checked. ``ready``: the same as soon as a copy is
-  read, before its check where it is this process's to make: with ``checks`` (an executor),
-  a RAM copy in an arena this process maps is read without the sidecar's check and
-  checked here, so its transfers can start while the crc32c runs (``out`` then says
-  whether they must be done again, from the next source).
-
-  Its callbacks are partials of its methods, and nothing here refers back to them: no
-  reference cycle holds the shard (an arena view), so its block goes back at the last
-  reference to the restored array, without the garbage collector.
-  """
-
-  def __init__(self, reads: ShardReads, final_dir: str, record: ShardRecord,
-               sources: list[tuple[int, str]], form: _Form,
-               checks: concurrent.futures.Executor | None, private: bool = False):
-    self._reads, self._final_dir, self._record = reads, final_dir, record
-    self._private = private
-    self._sources, self._form, self._checks = sources, form, checks
-    self.failures: list[tuple[str, errors.SidecarError]] = []
-    self.ready: concurrent.futures.Future = concurrent.futures.Future()
-    self.out: concurrent.futures.Future = concurrent.futures.Future()
-
-  def attempt(self, i: int) -> None:
-    if i == len(self._sources):
-      self._finish(error=_failed(self.failures))
-      return
-    host, tier = self._sources[i]
-    label = "storage" if tier == "disk" else f"{tier}:host{host}"
-    here = (self._checks is not None and self._record.crc32c is not None
-            and tier in ("ram", "replica") and host in self._reads.mapped)
-    try:
-      f = self._reads.read(host, self._final_dir, self._record, tier, self._form,
-                           checked=not here, private=self._private)
-    except errors.SidecarError as e:
-      self.failures.append((f"{label} (host {host})", e.with_traceback(None)))
-      self.attempt(i + 1)
-      return
-    f.add_done_callback(functools.partial(self._done, i, label, host, here))
-
-  def _done(self, i: int, label: str, host: int, here: bool,
-            f: concurrent.futures.Future) -> None:
-    try:
-      data = self._as_saved(f.result(), label)
-    except errors.SidecarError as e:
-      self.failures.append((f"{label} (host {host})", e.with_traceback(None)))
-      self.attempt(i + 1)
-      return
-    if not here:
-      self._finish((data, label))
-      return
-    if not self.ready.done():
-      self.ready.set_result((data, label))
-    assert self._checks is not None
-    try:
-      self._checks.submit(functools.partial(self._check, i, label, host, data))
-    except RuntimeError:  # the restore that owns the executor ended (interrupted)
-      self._finish(error=errors.ClosedError("the restore ended before this shard was checked"))
-
-  def _as_saved(self, data: np.ndarray, label: str) -> np.ndarray:
-    """``data`` if it has the dtype and shape the save wrote (``_Form``); else
-    CorruptCheckpointError: a copy whose metadata was changed reads the same bytes as
-    other numbers, and its crc32c still matches."""
-    dtype, shape = self._form.dtype, self._form.shape
-    if (dtype is not None and data.dtype != dtype) or (shape is not None and data.shape != shape):
-      r = self._record
-      name = ".".join(str(k) for k in r.key_path)
-      raise errors.CorruptCheckpointError(
-          f"{self._final_dir}: array {name!r} shard {[list(i) for i in r.index]} came "
-          f"from {label} as {data.dtype}{list(data.shape)}, where the save wrote "
-          f"{dtype}{list(shape or data.shape)}: its metadata was changed after the save")
-    return data
-
-  def _check(self, i: int, label: str, host: int, data: np.ndarray) -> None:
-    try:
-      records.check_crc32c(self._final_dir, self._record, data,
-                           f"{self._sources[i][1]} copy on host {host}")
-    except errors.CorruptCheckpointError as e:
-      self.failures.append((f"{label} (host {host})", e.with_traceback(None)))
-      self.attempt(i + 1)
-      return
-    self._finish((data, label))
-
-  def _finish(self, result: tuple[np.ndarray, str] | None = None,
-              error: BaseException | None = None) -> None:
-    for f in (self.ready, self.out):
-      if f.done():
-        continue
-      if error is not None:
-        f.set_exception(error)
-      else:
-        f.set_result(result)
-
-
-# A copy that fails with one of these is not there (its host is gone, it holds none, the
-# file is missing) or not valid (its checksum): the shard is lost only if every copy is.
-_GONE = (errors.CorruptCheckpointError, errors.HostLostError, errors.InvalidArgumentError)
-
-
-def _failed(failures: list[tuple[str, errors.SidecarError]]) -> errors.SidecarError:
-  """The error of a shard no source gave: ShardsLostError (naming every try) if no copy
-  is there or valid; else the first other failure (an arena full, a deadline) as it is."""
-  other = next((e for _, e in failures if not isinstance(e, _GONE)), None)
-  if other is not None:
-    return other
-  return errors.ShardsLostError(
-      "; ".join(f"{where}: {str(e).splitlines()[0]}" for where, e in failures)
-      or "no source to read it from")
-
-
-def warn_unchecked(final_dir: str, tool: str) -> None:
-  """Says (a warning) that the checkpoint at ``final_dir``, which ``tool`` wrote with no
-  manifest, is restored with nothing to check its bytes against."""
-  log.warning("%s was written by %s (it has no %s): it has no checksums, so its bytes are "
-              "restored unchecked; a checkpoint the sidecars save has one per shard",
-              final_dir, tool, records.MANIFEST_FILE)
 
 
 def _overlaps(index, region) -> bool:

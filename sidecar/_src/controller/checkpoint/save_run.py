@@ -1,10 +1,10 @@
 """One save step, whichever framework drives it: :class:`SaveRun`.
 
 A save step is one object from begin to its end, and both frameworks call the same
-methods on it: the key-value path (``plugs.SaveCoordinator``: JAX's and the numpy core's)
+methods on it: the key-value path (``plugs.SaveRunner``: JAX's and the numpy core's)
 from its finisher thread, DCP's ``torch/storage.StorageWriter`` from its hooks
 (``prepare_global_plan`` begins, ``write_data`` stages, ``finish`` finishes, and
-``torch/checkpointer.DcpAgreement`` ends it once DCP's upload ended):
+``torch/checkpointer.DcpDriver`` ends it once DCP's upload ended):
 
 - :meth:`SaveRun.begin`: the step's tmp directory (the lead process's sidecar answers it);
 - :meth:`SaveRun.stage` (lots a finisher is handed) or :meth:`SaveRun.stage_copies`
@@ -22,7 +22,7 @@ from its finisher thread, DCP's ``torch/storage.StorageWriter`` from its hooks
 The :class:`SaveHandle` a save returns is the step's: the run resolves its ``staged``,
 ``durable`` and ``replicated``; a Checkpointer's save ends as its :class:`Ending` says.
 
-How the trainer processes agree between the phases (who begins, who commits) is a
+How the trainer processes coordinate the phases (who begins, who commits) is a
 ``coordination.Coordination``: through their key-value store, or as DCP does it. The
 phases' calls on the sidecars, and the step's ``save_protocol.Target``, are
 ``save_protocol``'s.

@@ -6,6 +6,7 @@ What JAX's and PyTorch's checkpointers (``controller/checkpoint/checkpointer.py`
 which this process drives, and where each host's replicas go (:func:`replica_hosts`).
 A single controller's snapshot also says how to see its hosts again (``live``, ``now``):
 a checkpointer made before a host was lost saves on the hosts left (elastic retry).
+:class:`Snapshots` makes them, and the checkpoint clients, from a controller's sidecars.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from sidecar._src.controller.checkpoint.client import CheckpointTransport
+from sidecar._src.controller.checkpoint.client import CheckpointClient, CheckpointTransport
 from sidecar._src.controller.goodput import LedgerClient
+from sidecar._src.controller.sidecars import Sidecars
+from sidecar._src.wire.protocol import pb
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +72,39 @@ class SidecarsSnapshot:
     """``{host: the hosts that keep its replicas}`` (another slice's first)."""
     slices = {h: int(self.handshakes.get(h, {}).get("slice_id", 0)) for h in self.hosts}
     return {h: replica_hosts(slices, h, replicas) for h in self.hosts}
+
+
+class Snapshots:
+  """A controller's ``sidecars`` as its checkpointers see them: checkpoint clients over its
+  channels (``status``: its Status of every sidecar), and snapshots of them, which share
+  the replica warnings already given."""
+
+  def __init__(self, sidecars: Sidecars, *, status: Callable[[], list[pb.StatusResponse]]):
+    self._sidecars, self._status = sidecars, status
+    self._replica_warnings: set[tuple[int, int]] = set()  # (replicas asked, hosts) warned of
+
+  def client(self, timeout: float) -> CheckpointClient:
+    """The checkpoint phases on the sidecars, ``timeout`` seconds each by default."""
+    return CheckpointClient(select=self._sidecars.select,
+                            connection=self._sidecars.conns.__getitem__,
+                            worker=self._sidecars.workers.get, status=self._status,
+                            timeout=timeout)
+
+  def snapshot(self, client: CheckpointTransport, *, goodput: LedgerClient | None,
+               now: Callable[[], SidecarsSnapshot] | None) -> SidecarsSnapshot:
+    """The sidecars now, through ``client``; with ``now`` (a single controller's: how to
+    take the next), one that follows the live hosts (``SidecarsSnapshot.live``)."""
+    sidecars = self._sidecars
+    return SidecarsSnapshot(
+        client=client, hosts=self.live(), local=tuple(sidecars.local_hosts),
+        device_hosts=dict(sidecars.device_hosts), handshakes=sidecars.handshakes(),
+        mapped=frozenset(h for h in sidecars.workers if h not in sidecars.lost),
+        writers=dict(sidecars.writers), warned=self._replica_warnings, goodput=goodput,
+        live=self.live if now is not None else None, now=now)
+
+  def live(self) -> tuple[int, ...]:
+    """The live hosts' ids, ascending (no rpc)."""
+    return tuple(h.host_id for h in self._sidecars.live())
 
 
 def replica_hosts(slices: dict[int, int], host: int, replicas: int) -> list[int]:

@@ -1,7 +1,7 @@
 """The one copy of a save into the arenas: :func:`copy_in`, over :class:`ShardCopy`s.
 
 Every save, whichever framework's and format's, takes its shards into the arena here:
-JAX's and the numpy core's (``plugs.SaveCoordinator``), DCP's ``write_data`` and its
+JAX's and the numpy core's (``plugs.SaveRunner``), DCP's ``write_data`` and its
 ``dcp.async_save`` stage (``torch/storage.py``). A :class:`ShardCopy` carries a shard
 from the plan to the sidecar: its record (``records.ShardRecord``: the shard's one
 description, the host that stages it included) and, beside it, its elements and its

@@ -218,8 +218,10 @@ class Agreements:
         if failed is not None:
           raise failed
         own = a.own
-        if own is not None and own.write_ended:
-          if own.error is not None:
+        part = own.view().agree if own is not None else AgreePhase.UNKNOWN
+        if own is not None and part in (AgreePhase.WRITTEN, AgreePhase.FAILED):
+          if part is AgreePhase.FAILED:
+            assert own.error is not None
             raise write_lib.write_failure(self._host_id, a.step, a.final_dir, own.error,
                                           tmp_dir=own.tmp_dir)
           written = {h for h, p in a.states.items() if p.phase is AgreePhase.WRITTEN}
@@ -231,7 +233,7 @@ class Agreements:
         silent = [h for h, p in a.states.items()
                   if p.phase is AgreePhase.TAKEN_OVER and now - p.heard > SILENT_S]
       self._look_around(a, missing, silent)
-      if own is not None and not own.write_ended:
+      if own is not None and part is AgreePhase.TAKEN_OVER:
         own.wait_written(POLL_S)
       else:
         with a.cond:
@@ -303,19 +305,19 @@ class Agreements:
     once written, else every ``POLL_S``) until it answers its decision, then ends the part
     here."""
     own = a.own
-    assert own is not None and own.taken_over
+    assert own is not None and own.takeover is not step_lib.Takeover.NONE
     sent_records = False  # the committer holds this part's written records
     while True:
-      if not own.write_ended:
+      if own.view().agree is AgreePhase.TAKEN_OVER:
         own.wait_written(POLL_S)
       elif sent_records:
         self._closed.wait(POLL_S)
-      if not own.commit_pending:  # its trainers told it the commit (Committed)
+      if own.takeover is not step_lib.Takeover.PENDING:  # committed here (Committed)
         self._decide(a, AgreePhase.COMMITTED)
         return
       if a.aborted is not None or self._closed.is_set():
         return
-      written = own.write_ended
+      written = own.view().agree is not AgreePhase.TAKEN_OVER
       if written and not sent_records:
         faults.fault("prepared", a.step)
       try:
@@ -344,9 +346,7 @@ class Agreements:
     """Ends this host's part as the committer decided (unknown there: abandoned)."""
     own = a.own
     if answer.phase is AgreePhase.COMMITTED and own is not None:
-      with self._tier.lock:
-        ours = self._tier.steps.get(a.final_dir) is own
-      if ours:
+      if self._tier.holds(own):
         self._tier.mark_committed(a.final_dir)
       self._decide(a, AgreePhase.COMMITTED, committed=answer.committed)
       return
@@ -441,16 +441,17 @@ class Agreements:
       if a.decision is not None:
         return a.decision
       own = a.own
-    phase, error = AgreePhase.TAKEN_OVER, None
+    error = None
     written: tuple[ShardRecord, ...] = ()
-    if own is None:
-      phase = AgreePhase.UNKNOWN
-    elif own.write_ended and own.error is not None:
-      phase = AgreePhase.FAILED
+    phase = own.view().agree if own is not None else AgreePhase.UNKNOWN
+    assert phase is not None
+    if phase is AgreePhase.FAILED:
+      assert own is not None and own.error is not None
       error = write_lib.write_failure(self._host_id, a.step, a.final_dir, own.error,
                                       tmp_dir=own.tmp_dir)
-    elif own.write_ended:
-      phase, written = AgreePhase.WRITTEN, tuple(own.written_records) if records else ()
+    elif phase is AgreePhase.WRITTEN and records:
+      assert own is not None
+      written = tuple(own.written_records)
     return AgreeState(final_dir=a.final_dir, save=a.plan.save, step=a.step,
                       host=self._host_id, phase=phase, records=written, error=error,
                       plan=a.plan if announce else None, directory=a.directory,

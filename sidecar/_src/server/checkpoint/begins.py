@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from sidecar._src.core import errors
 from sidecar._src.server.checkpoint import ram_tier, write as write_lib
+from sidecar._src.server.checkpoint.step import Phase, Takeover
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -72,11 +73,10 @@ class Begins:
     for gone in [b for b in self._begun.values() if not self._in_flight(b)]:
       del self._begun[gone.tmp]  # (forget_ended, under the lock this Begin holds)
     other = self._begun.get(tmp)
-    with self._tier.lock:
-      busy = [s for s in self._tier.steps.values()
-              if s.format == fmt and pathlib.Path(s.tmp_dir).is_relative_to(tmp)
-              and (not s.write_ended or (owner in s.owners and not s.committed
-                                         and s.error is None))]
+    busy = self._tier.steps(
+        lambda s: s.format == fmt and pathlib.Path(s.tmp_dir).is_relative_to(tmp)
+        and (s.phase in (Phase.STAGING, Phase.STAGED)
+             or (owner in s.owners and s.phase is Phase.WRITTEN)))
     another = "another session (another trainer process or Controller)"
     if other is not None and other.owner != owner:
       by = another
@@ -94,17 +94,16 @@ class Begins:
     """Whether the save ``begun`` may still stage, write or commit: its trainer is there,
     and it staged within ``STAGE_TIMEOUT_S`` of its Begin and its step is not committed,
     failed nor dropped since (where its trainer is not known, while being written)."""
-    with self._tier.lock:
-      mine = [s for s in self._tier.steps.values() if s.started >= begun.at
-              and s.step == begun.step and pathlib.Path(s.tmp_dir).is_relative_to(begun.tmp)]
-    if any(s.commit_pending for s in mine):  # committed here once written, trainer or not
+    mine = self._tier.steps(lambda s: s.started >= begun.at and s.step == begun.step
+                            and pathlib.Path(s.tmp_dir).is_relative_to(begun.tmp))
+    if any(s.takeover is Takeover.PENDING for s in mine):  # committed here, trainer or not
       return True
     if begun.alive is not None and not begun.alive():
       return False
     if not mine:
       return time.monotonic() - begun.at < write_lib.STAGE_TIMEOUT_S
-    return any(not s.write_ended or (begun.alive is not None and not s.committed
-                                     and s.error is None) for s in mine)
+    return any(s.phase in (Phase.STAGING, Phase.STAGED)
+               or (begun.alive is not None and s.phase is Phase.WRITTEN) for s in mine)
 
   def forget_ended(self) -> None:
     """Forgets the begun saves that are no longer in flight (their trainers gone)."""

@@ -150,9 +150,7 @@ class Checkpoints:
     committed, and a later save's sweep removes it). Then the links to the replica hosts close.
     """
     self._closed.set()
-    with self.tier.lock:
-      steps = list(self.tier.steps.values())
-    for own in steps:
+    for own in self.tier.steps():
       own.stop(errors.ClosedError(f"the sidecar of host {self._host_id} is stopping "
                                   f"mid-save of step {own.step}"))
     deadline = time.monotonic() + timeout
@@ -253,8 +251,7 @@ class Checkpoints:
         self._opened.setdefault(client, set()).add(resolved)
     group = self.policy.ram_group(client)
     if group is not None:
-      with self.tier.lock:
-        self.tier.groups[os.path.realpath(directory)] = group
+      self.tier.set_group(directory, group)
 
   def _claim(self, client: str, directory: str, resolved: str) -> None:
     """Records ``client`` as the owner of ``resolved`` on disk (``roots.OWNER_FILE``),
@@ -294,8 +291,7 @@ class Checkpoints:
 
   def writing(self) -> list[tuple[str, int]]:
     """The steps staged here and not yet written: (tmp directory, bytes staged)."""
-    with self.tier.lock:
-      return [(s.tmp_dir, s.nbytes) for s in self.tier.steps.values() if not s.write_ended]
+    return [(s.tmp_dir, s.nbytes) for s in self.tier.writing()]
 
   def opened_by(self, client: str) -> set[str]:
     """The directories (resolved) ``client`` opened."""
@@ -330,20 +326,13 @@ class Checkpoints:
     """
     self._path(final_dir, "final_dir")
     if manifest is not None:
-      with self.tier.lock:
-        own = self.tier.steps.get(final_dir)
-        if own is not None:
-          own.keep_manifest(manifest)
-        for r in self.tier.replicas.values():
-          if r.final_dir == final_dir:
-            r.keep_manifest(manifest)
+      self.tier.keep_manifest(final_dir, manifest)
     return self.tier.mark_committed(final_dir)
 
   def reopened(self, directory: str) -> None:
     """Applies ``directory``'s ``ram_steps``/``ram_budget`` as just (re)opened: a job that
     reopens it with ``ram_steps=0`` frees its RAM-tier copies at once."""
-    with self.tier.lock:
-      self.tier.evict(directory)
+    self.tier.evict(directory)
 
   # ---- the RAM tier gives way -------------------------------------------
 
@@ -373,15 +362,7 @@ class Checkpoints:
     from the pool). Their blocks go back as their views die; the durable steps stay.
     Returns how many steps went."""
     mine = {os.path.realpath(d) for d in self.opened_by(client)}
-    tier = self.tier
-    with tier.lock:
-      steps = {(s.directory, s.step) for s in tier.steps.values()
-               if s.committed and os.path.realpath(s.directory) in mine}
-      steps |= {(r.directory, r.step) for r in tier.replicas.values()
-                if r.committed and os.path.realpath(r.directory) in mine}
-      for directory, step in steps:
-        tier.drop(directory, step)
-    return len(steps)
+    return self.tier.release(lambda d: d in mine)
 
   def drop_tenant_ram(self, tenant: str) -> tuple[list[ram_yield.Copy], list[ram_yield.Copy]]:
     """Drops the durable RAM-tier copies of the directories ``tenant`` opened here;
@@ -401,8 +382,7 @@ class Checkpoints:
     """Drops a step from this host's RAM tier (its own shards and the replicas held)."""
     self._path(directory, "directory")
     step = roots_lib.as_int(step, "step")
-    with self.tier.lock:
-      self.tier.drop(directory, step)
+    self.tier.drop(directory, step)
 
   # ---- restore -----------------------------------------------------------
 
@@ -420,16 +400,13 @@ class Checkpoints:
     """
     self._path(final_dir, "final_dir")
     if taken_over:
-      with self.tier.lock:
-        own = self.tier.steps.get(final_dir)
-      return checkpoint_read.taken_over(own, final_dir, self.tier.host_id)
-    with self.tier.lock:
-      held = [self.tier.steps.get(final_dir),
-              *(r for r in self.tier.replicas.values() if r.final_dir == final_dir)]
+      return checkpoint_read.taken_over(self.tier.find(final_dir), final_dir,
+                                        self.tier.host_id)
+    held = self.tier.copies_of(final_dir)
     for copy in held:
-      if copy is not None and copy.manifest is not None:
+      if copy.manifest is not None:
         return copy.manifest  # a DCP step in host memory: its files may be gone
-    in_ram = any(copy is not None and copy.committed for copy in held)
+    in_ram = any(copy.committed for copy in held)
     return checkpoint_read.info(final_dir, stored=not in_ram)
 
   def read(self, final_dir: str, record: ShardRecord, tier: str = "any",

@@ -547,7 +547,7 @@ class Links:
       lock = threading.Lock()
       self._links[key] = (link, lock)
       if link.same_machine and self._watcher is None:
-        self._watcher = threading.Thread(target=self._watch, name="sidecar-peer-links",
+        self._watcher = threading.Thread(target=self._watch, name="sidecar-replica-links",
                                          daemon=True)
         self._watcher.start()
     if old is not None:

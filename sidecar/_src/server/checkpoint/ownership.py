@@ -23,7 +23,7 @@ removed. The kernel lets go of a sidecar's locks when its process dies (``SIGKIL
 too), and a sidecar lets go of a job's once its last opener there is gone (at the next
 open here, and every few seconds, ``release_gone``): a job whose owner died is taken over
 with nothing to clean up. A refusal is answered at once; the Checkpointer retries it for
-a few seconds (``checkpointer.HELD_WAIT_S``), on its own time: a job that just ended may
+a few seconds (``holds.HELD_WAIT_S``), on its own time: a job that just ended may
 still be held by one of its sidecars (each lets go on its own; a SIGKILLed process's
 connections close only after its memory is unmapped). Two jobs that open in the same
 instant may both be refused; neither is let in beside the other.

@@ -2,8 +2,13 @@
 
 It holds each ``step.Step`` (this host's own shards of a step, and how far the step got:
 its phases are that module's) and each :class:`Replica` (the shards of a step another
-sidecar sent here). :class:`RamTier` keeps them under one lock, and is the one place a
-step enters (``add``) and leaves (``remove``, ``drop``, ``expire_uncommitted``) it:
+sidecar sent here). :class:`RamTier` keeps them under its own lock, behind queries (a
+step by item or tmp directory, the commits pending in a directory, the steps in flight,
+what it holds) and commands (receive, replace or discard a replica, configure a
+directory's RAM steps), and is the one place a step enters (``slot``, ``add``) and leaves
+(``remove``, ``drop``, ``expire_uncommitted``) it: no caller takes its lock, and it takes
+it outside a step's. It reads a step's ``view()`` (``step.VIEWS``), never how the step
+keeps its state.
 ``committed`` keeps the newest steps of a directory within its ``ram_steps`` and
 ``ram_budget`` (own shards and replicas counted together), and the newest committed steps of
 a group of directories (a pool tenant's) within the group's budget; steps written but never
@@ -12,203 +17,212 @@ committed expire, and ``status``/``usage`` report what is held.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import os
 import threading
 import time
-import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator
+from typing import TypeVar
 
 import numpy as np
 
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt.records import Held, Manifest, ShardId
 from sidecar._src.core import errors
-from sidecar._src.server.checkpoint.step import Phase, Step
+from sidecar._src.server.checkpoint.copies import Replica
+from sidecar._src.server.checkpoint.step import Phase, Step, Takeover
 from sidecar._src.wire.protocol import pb
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
-class Replica:
-  """The shards of one step that another sidecar (host ``source``) sent here: a replica.
+@dataclasses.dataclass(frozen=True, slots=True)
+class Holdings:
+  """What a RAM tier holds at one moment (read under its lock): its steps, its replicas,
+  the items committed in the order of their commits, and each directory's group."""
+  steps: tuple[Step, ...]
+  replicas: tuple[Replica, ...]
+  commits: tuple[str, ...]  # the committed items, oldest commit first
+  group_of: Callable[[str], str | None]  # a directory's group (a pool tenant), if any
 
-  Its state changes only through its methods, each called with the RAM tier's ``lock``
-  held (``replication.Replicator`` receives it, :class:`RamTier` and
-  ``checkpoints.Checkpoints`` mark it committed): its shards arrive whole
-  (``add_shard``) or in pieces (``piece_block``, ``piece_received``); it is ``whole``
-  once its sender said so (``mark_whole``), ``committed`` once its step is (``commit``,
-  before or after it is whole). A replica sent again while a whole one is held
-  ``replaces`` it once whole itself (``take_place_of``).
-  """
 
-  def __init__(self, directory: str, step: int, final_dir: str, source: int, *,
-               replaces: Replica | None = None):
-    self._directory, self._step, self._final_dir = directory, step, final_dir
-    self._source = source
-    self._shards: dict[ShardId, np.ndarray] = {}
-    self._view = types.MappingProxyType(self._shards)
-    # Shards arriving inline, in pieces: [block, bytes received so far].
-    self._partial: dict[ShardId, list] = {}
-    self._nbytes = 0
-    self._whole = False  # the source sent everything
-    self._committed = False
-    # A whole replica held of the same step and source, which this one (sent again)
-    # replaces once whole.
-    self._replaces = replaces
-    self._manifest: Manifest | None = None  # a DCP step's, told at its commit
+class Slot:
+  """A Stage's look at the step the RAM tier holds for one item (``RamTier.slot``): the
+  tier's lock is held while the Stage checks it, puts a new one in its place (``hold``)
+  and takes its part, so no abort, eviction or expiry comes between."""
 
-  def __repr__(self) -> str:
-    return f"Replica({self._final_dir!r}, source={self._source}, whole={self._whole})"
+  def __init__(self, tier: RamTier, final_dir: str):
+    self._tier, self._final_dir = tier, final_dir
+    self.step: Step | None = tier._steps.get(final_dir)
 
-  @property
-  def directory(self) -> str:
-    return self._directory
-
-  @property
-  def step(self) -> int:
-    return self._step
-
-  @property
-  def final_dir(self) -> str:
-    return self._final_dir
-
-  @property
-  def source(self) -> int:
-    return self._source
-
-  @property
-  def shards(self) -> Mapping[ShardId, np.ndarray]:
-    """Its whole shards' bytes by id (a read-only view)."""
-    return self._view
-
-  @property
-  def partial(self) -> int:
-    """How many shards are still arriving in pieces."""
-    return len(self._partial)
-
-  @property
-  def nbytes(self) -> int:
-    return self._nbytes
-
-  @property
-  def whole(self) -> bool:
-    return self._whole
-
-  @property
-  def committed(self) -> bool:
-    return self._committed
-
-  @property
-  def replaces(self) -> Replica | None:
-    return self._replaces
-
-  @property
-  def manifest(self) -> Manifest | None:
-    return self._manifest
-
-  def add_shard(self, key: ShardId, data: np.ndarray) -> None:
-    """A whole shard (checked by its sender's crc32c), in place of one of the same id."""
-    old = self._shards.get(key)
-    self._nbytes += data.nbytes - (old.nbytes if old is not None else 0)
-    self._shards[key] = data
-
-  def piece_block(self, key: ShardId, make: Callable[[], np.ndarray]) -> list:
-    """The block the shard ``key`` is assembled in from its pieces (``make`` makes it at
-    its first piece), with the bytes received so far: ``[block, received]``."""
-    entry = self._partial.get(key)
-    if entry is None:
-      entry = self._partial[key] = [make(), 0]
-    return entry
-
-  def piece_received(self, key: ShardId, entry: list, nbytes: int) -> bool:
-    """``nbytes`` more of ``key``'s bytes are in its block (``entry``); whether the shard is
-    whole now (then it is no longer arriving: the caller adds it)."""
-    entry[1] += nbytes
-    whole = entry[1] >= entry[0].nbytes
-    if whole:
-      self._partial.pop(key, None)
-    return whole
-
-  def mark_whole(self) -> None:
-    """Its sender sent everything."""
-    self._whole = True
-    self._partial = {}
-
-  def take_place_of(self, old: Replica) -> None:
-    """It replaces ``old`` (the whole replica it was sent again of), committed as it was."""
-    self._committed = self._committed or old.committed
-    self._replaces = None
-
-  def commit(self) -> None:
-    """Its step is committed (before or after it is whole)."""
-    self._committed = True
-
-  def keep_manifest(self, manifest: Manifest) -> None:
-    """A DCP step's manifest, kept with it (``info`` answers it)."""
-    self._manifest = manifest
+  def hold(self, own: Step) -> None:
+    """``own`` in the tier for its item: a step held there before is dropped."""
+    assert own.final_dir == self._final_dir
+    self._tier._add(own)
+    self.step = own
 
 
 class RamTier:
   """The steps and replicas one sidecar (``host_id``) holds.
 
-  ``lock`` guards which ones it holds, the replicas' fields and the budgets; a step's
-  phase and shards are the step's own (``step.Step``, whose lock is taken inside this
-  one): a step enters by :meth:`add` and leaves by :meth:`remove`, :meth:`remove_item`,
-  :meth:`drop` or :meth:`expire_uncommitted`, each dropping it (``Step.drop``).
+  Its lock, its own, guards which ones it holds, the replicas' fields and the budgets; a
+  step's phase and shards are the step's own (``step.Step``, whose lock is taken inside
+  this one, by the tier alone): a step enters by :meth:`slot` or :meth:`add` and leaves by
+  :meth:`remove`, :meth:`remove_item`, :meth:`drop` or :meth:`expire_uncommitted`, each
+  dropping it (``Step.drop``). A replica enters by :meth:`open_replica` or
+  :meth:`hold_replica` and leaves with its step, or by :meth:`discard_partial`.
   """
 
   def __init__(self, host_id: int, *, uncommitted_s: float,
                group_budget: Callable[[str], int | None] = lambda group: None):
     self.host_id = host_id
     self.uncommitted_s = uncommitted_s
-    self.lock = threading.Lock()
-    self.steps: dict[str, Step] = {}  # by committed item directory
-    self.replicas: dict[tuple[str, int], Replica] = {}  # by (final_dir, source host)
+    self._lock = threading.Lock()
+    self._steps: dict[str, Step] = {}  # by committed item directory
+    self._replicas: dict[tuple[str, int], Replica] = {}  # by (final_dir, source host)
     # Items committed() was told of, in the order of their commits: True while in the RAM
     # tier, False once evicted (a replica that arrives after its step's commit learns its
     # fate here).
-    self.committed_dirs: dict[str, bool] = {}
-    self.ram_steps: dict[str, tuple[int, int | None]] = {}  # directory -> (steps, budget)
+    self._committed_dirs: dict[str, bool] = {}
+    self._ram_steps: dict[str, tuple[int, int | None]] = {}  # directory -> (steps, budget)
     # Directories (resolved) -> the group they count in (a pool tenant), whose committed
     # steps together keep within ``group_budget(group)`` bytes (None: no bound).
-    self.groups: dict[str, str] = {}
+    self._groups: dict[str, str] = {}
     self._group_budget = group_budget
     self._resolved: dict[str, str] = {}  # directory as given -> resolved
 
+  # ---- queries ------------------------------------------------------------
+
   def step_at(self, final_dir: str) -> Step:
     """The step staged here for ``final_dir``; InvalidArgumentError if there is none."""
-    with self.lock:
-      own = self.steps.get(final_dir)
+    own = self.find(final_dir)
     if own is None:
       raise errors.InvalidArgumentError(f"host {self.host_id} has not staged {final_dir}")
     return own
 
+  def find(self, final_dir: str) -> Step | None:
+    """The step held for the item ``final_dir``, if any."""
+    with self._lock:
+      return self._steps.get(final_dir)
+
+  def find_tmp(self, tmp_dir: str) -> Step | None:
+    """The step held whose uncommitted directory is ``tmp_dir``, if any."""
+    with self._lock:
+      return next((s for s in self._steps.values() if s.tmp_dir == tmp_dir), None)
+
+  def holds(self, own: Step) -> bool:
+    """Whether ``own`` is still this tier's step of its item."""
+    with self._lock:
+      return self._steps.get(own.final_dir) is own
+
+  def steps(self, where: Callable[[Step], bool] = lambda s: True) -> list[Step]:
+    """The steps held that ``where`` accepts (a list of its own)."""
+    with self._lock:
+      return [s for s in self._steps.values() if where(s)]
+
+  def replicas(self, where: Callable[[Replica], bool] = lambda r: True) -> list[Replica]:
+    """The replicas held that ``where`` accepts (a list of its own)."""
+    with self._lock:
+      return [r for r in self._replicas.values() if where(r)]
+
+  def pending_commits(self, directory: str) -> list[Step]:
+    """The steps of ``directory`` taken over here whose end is not known yet."""
+    return self.steps(lambda s: s.directory == directory
+                      and s.takeover is Takeover.PENDING)
+
+  def in_flight(self, directory: str | None = None) -> list[Step]:
+    """The steps (of ``directory``; None: any) being written, or taken over and not yet
+    ended (``View.in_flight``)."""
+    return self.steps(lambda s: (directory is None or s.directory == directory)
+                      and s.view().in_flight)
+
+  def writing(self) -> list[Step]:
+    """The steps whose write goes on (Status's ``writing``)."""
+    return self.steps(lambda s: s.view().writing)
+
+  def copies_of(self, final_dir: str) -> list[Step | Replica]:
+    """The step and the replicas held of the item ``final_dir``."""
+    with self._lock:
+      own = self._steps.get(final_dir)
+      return [*([own] if own is not None else []),
+              *(r for r in self._replicas.values() if r.final_dir == final_dir)]
+
+  def replica_with(self, final_dir: str, shard: ShardId) -> Replica | None:
+    """A whole, committed replica of ``final_dir`` that holds ``shard``, if any."""
+    with self._lock:
+      return next((r for r in self._replicas.values() if r.final_dir == final_dir
+                   and r.whole and r.committed and shard in r.shards), None)
+
+  def committed_items(self) -> dict[str, bool]:
+    """The items it was told are committed, in the order of their commits: True while in
+    the tier, False once evicted (a replica arriving late learns its step's fate here)."""
+    with self._lock:
+      return dict(self._committed_dirs)
+
+  def ram_steps_of(self, directory: str) -> tuple[int, int | None]:
+    """``directory``'s RAM steps and budget (``configure``; one step, no budget unless)."""
+    with self._lock:
+      return self._ram_steps.get(directory, (1, None))
+
+  def look(self, read: Callable[[Holdings], T], *, timeout: float = -1) -> T | None:
+    """``read`` of what it holds (``Holdings``), under its lock (a replica's fields are
+    read as they are); None where the lock is busy for ``timeout`` s (-1: waits)."""
+    if not self._lock.acquire(timeout=timeout):
+      return None
+    try:
+      return read(self._holdings())
+    finally:
+      self._lock.release()
+
+  def _holdings(self) -> Holdings:
+    """The lock is held."""
+    groups = dict(self._groups)
+    return Holdings(tuple(self._steps.values()), tuple(self._replicas.values()),
+                    tuple(self._committed_dirs), lambda d: groups.get(os.path.realpath(d)))
+
+  # ---- steps --------------------------------------------------------------
+
+  @contextlib.contextmanager
+  def slot(self, final_dir: str) -> Iterator[Slot]:
+    """The step held for ``final_dir`` (``Slot.step``; None: none), the tier's lock held
+    for the block: a Stage checks it, holds a new one in its place and takes its part in
+    one go (``save.StepWriter.stage``)."""
+    with self._lock:
+      yield Slot(self, final_dir)
+
   def add(self, own: Step) -> None:
-    """``own`` (its first Stage's) in the tier, by its ``final_dir``: a step held there
-    before (its write ended: a save of the same step again) is dropped. The lock is held."""
-    old = self.steps.get(own.final_dir)
-    self.steps[own.final_dir] = own
+    """``own`` in the tier, by its ``final_dir``: a step held there before (its write
+    ended: a save of the same step again) is dropped."""
+    with self._lock:
+      self._add(own)
+
+  def _add(self, own: Step) -> None:
+    """The lock is held."""
+    old = self._steps.get(own.final_dir)
+    self._steps[own.final_dir] = own
     if old is not None and old is not own:
       old.drop()
 
   def remove(self, own: Step, why: BaseException | None = None) -> bool:
     """Drops ``own`` (``Step.drop``, ``why`` to a writer still waiting for its shards) if
     it is still this tier's step of its ``final_dir``; whether it was."""
-    with self.lock:
-      ours = self.steps.get(own.final_dir) is own
+    with self._lock:
+      ours = self._steps.get(own.final_dir) is own
       if ours:
-        del self.steps[own.final_dir]
+        del self._steps[own.final_dir]
         own.drop(why)
     return ours
 
   def remove_item(self, final_dir: str, why: BaseException | None = None) -> Step | None:
     """Drops the step and the replicas of ``final_dir`` held here (a save aborted),
     ``why`` to a writer still waiting for its shards; returns the step, if one was here."""
-    with self.lock:
-      own = self.steps.pop(final_dir, None)
-      for key in [k for k in self.replicas if k[0] == final_dir]:
-        del self.replicas[key]
+    with self._lock:
+      own = self._steps.pop(final_dir, None)
+      for key in [k for k in self._replicas if k[0] == final_dir]:
+        del self._replicas[key]
       if own is not None:
         own.drop(why)
     return own
@@ -216,33 +230,47 @@ class RamTier:
   def mark_committed(self, final_dir: str) -> list[int]:
     """Marks a step (own shards and replicas) committed; evicts steps beyond the budget.
     Returns the kept steps. This host's own shards are marked once written here
-    (``Step.commit``); a step not written here yet (another save of it, staged again
-    since) is left as it is."""
-    with self.lock:
-      own = self.steps.get(final_dir)
-      held = [r for r in self.replicas.values() if r.final_dir == final_dir]
+    (``Step.commit``), and a takeover of them ends (``Step.end_agreement``: committed, its
+    end is known); a step not written here yet (another save of it, staged again since) is
+    left as it is."""
+    with self._lock:
+      own = self._steps.get(final_dir)
+      held = [r for r in self._replicas.values() if r.final_dir == final_dir]
       if own is not None and own.phase not in (Phase.WRITTEN, Phase.COMMITTED):
         log.info("step %d of %s: told it is committed while %s here; left as it is",
                  own.step, own.directory, own.phase.value, extra={"step": own.step})
         own = None
       if own is None and not held:
         return []
-      self.committed_dirs.pop(final_dir, None)  # to the end: the newest commit
-      self.committed_dirs[final_dir] = True
+      self._committed_dirs.pop(final_dir, None)  # to the end: the newest commit
+      self._committed_dirs[final_dir] = True
       for r in held:
         r.commit()
       if own is not None:
-        own.commit()  # (a step taken over: its end is known)
-      return self.evict(own.directory if own is not None else held[0].directory)
+        own.commit()
+        if own.takeover is Takeover.PENDING:
+          own.end_agreement()
+      return self._evict(own.directory if own is not None else held[0].directory)
+
+  def keep_manifest(self, final_dir: str, manifest: Manifest) -> None:
+    """A DCP step's ``manifest``, kept with the step and the replicas held of
+    ``final_dir`` (``info`` answers it)."""
+    with self._lock:
+      own = self._steps.get(final_dir)
+      if own is not None:
+        own.keep_manifest(manifest)
+      for r in self._replicas.values():
+        if r.final_dir == final_dir:
+          r.keep_manifest(manifest)
 
   def held(self, directory: str) -> Held:
     """What this host holds of the committed items under ``directory``, per item: its own
     shards, and the whole, committed replicas of other hosts' by source."""
-    with self.lock:
+    with self._lock:
       own = {s.final_dir: tuple(s.shards)
-             for s in self.steps.values() if s.directory == directory and s.committed}
+             for s in self._steps.values() if s.directory == directory and s.committed}
       replicas: dict[str, dict[int, tuple[ShardId, ...]]] = {}
-      for r in self.replicas.values():
+      for r in self._replicas.values():
         if r.directory == directory and r.whole and r.committed:
           replicas.setdefault(r.final_dir, {})[r.source] = tuple(r.shards)
     return Held(own, replicas)
@@ -250,11 +278,11 @@ class RamTier:
   def expire_uncommitted(self) -> list[int]:
     """Drops the steps written here whose commit has not come in time; returns them."""
     now = time.monotonic()
-    with self.lock:
-      stale = [s for s in self.steps.values() if not s.committed and s.finished is not None
-               and not s.commit_pending and now - s.finished >= self.uncommitted_s]
+    with self._lock:
+      stale = [s for s in self._steps.values() if s.view().uncommitted
+               and now - (s.finished or now) >= self.uncommitted_s]
       for s in stale:
-        del self.steps[s.final_dir]
+        del self._steps[s.final_dir]
         s.drop()  # the staged blocks go back to the arena
     for s in stale:
       log.warning("step %d of %s was staged and written %.0f s ago but never committed (the "
@@ -263,22 +291,18 @@ class RamTier:
     return [s.step for s in stale]
 
   def status(self) -> list[pb.CheckpointStatus]:
-    """Per directory: the steps in the RAM tier and those still being written."""
-    with self.lock:
-      steps = list(self.steps.values())
-      held = [r for r in self.replicas.values() if r.whole and r.committed]
+    """Per directory: the steps in the RAM tier and those still being written, each in
+    the lists its view names (``step.VIEWS``)."""
+    with self._lock:
+      steps = list(self._steps.values())
+      held = [r for r in self._replicas.values() if r.whole and r.committed]
     out: dict[str, pb.CheckpointStatus] = {}
     for s in sorted(steps, key=lambda s: s.step):
       entry = out.setdefault(s.directory, pb.CheckpointStatus(directory=s.directory))
-      if s.commit_pending:
-        entry.committing.append(s.step)
-      if s.committed:
-        entry.ram_steps.append(s.step)
-      elif s.write_ended:
-        if not s.commit_pending:
-          entry.uncommitted.append(s.step)
-      else:
-        entry.writing.append(s.step)
+      view = s.view()
+      for name in view.lists:
+        getattr(entry, name).append(s.step)
+      if view.writing:
         entry.written_bytes += s.written
         entry.total_bytes += s.nbytes
         entry.writing_s = max(entry.writing_s, time.monotonic() - s.started)
@@ -294,11 +318,11 @@ class RamTier:
 
   def usage(self) -> dict[str, int]:
     """Steps and bytes in the RAM tier (own, replicas) and being written, for the metrics."""
-    with self.lock:
-      steps = list(self.steps.values())
-      held = [r for r in self.replicas.values() if r.whole and r.committed]
+    with self._lock:
+      steps = list(self._steps.values())
+      held = [r for r in self._replicas.values() if r.whole and r.committed]
     own = [s for s in steps if s.committed]
-    writing = [s for s in steps if not s.committed and not s.write_ended]
+    writing = [s for s in steps if s.view().writing]
     return {"ram_steps": len(own), "ram_bytes": sum(s.nbytes for s in own),
             "replica_steps": len(held), "replica_bytes": sum(r.nbytes for r in held),
             "writing_steps": len(writing),
@@ -308,32 +332,89 @@ class RamTier:
     """Per group: its saves in progress here (staged, being written or waiting for their
     commit) and the bytes its committed steps (own shards and replicas) hold."""
     out: dict[str, tuple[int, int]] = {}
-    with self.lock:
-      copies: list[Step | Replica] = [*self.steps.values(), *self.replicas.values()]
+    with self._lock:
+      copies: list[Step | Replica] = [*self._steps.values(), *self._replicas.values()]
       for held in copies:
-        group = self.groups.get(self._resolve(held.directory))
+        group = self._groups.get(self._resolve(held.directory))
         if group is None:
           continue
         saves, nbytes = out.get(group, (0, 0))
         if held.committed:
           nbytes += held.nbytes
-        elif isinstance(held, Step) and held.error is None:
+        elif isinstance(held, Step) and held.view().saving:
           saves += 1
         out[group] = (saves, nbytes)
     return out
 
+  # ---- directories and budgets ----------------------------------------------
+
+  def configure(self, directory: str, ram_steps: int, ram_budget: int | None) -> None:
+    """Keeps the newest ``ram_steps`` committed steps of ``directory`` within
+    ``ram_budget`` bytes (None: no bound) from its next commit on."""
+    with self._lock:
+      self._ram_steps[directory] = (ram_steps, ram_budget)
+
+  def set_group(self, directory: str, group: str) -> None:
+    """``directory``'s committed steps count in ``group``'s budget (a pool tenant's)."""
+    with self._lock:
+      self._groups[os.path.realpath(directory)] = group
+
   def evict(self, directory: str) -> list[int]:
     """Keeps the newest ``ram_steps`` committed steps of ``directory`` within the budget,
     counting this host's own shards and the replicas it holds, then the newest committed
-    steps of its group within the group's budget; returns the kept steps of ``directory``.
-    The lock is held."""
+    steps of its group within the group's budget; returns the kept steps of ``directory``."""
+    with self._lock:
+      return self._evict(directory)
+
+  def drop(self, directory: str, step: int) -> None:
+    """Forgets the committed step's own shards and replicas here; their arena blocks go
+    back as their views die."""
+    with self._lock:
+      self._drop(directory, step)
+
+  def give_way(self, choose: Callable[[Holdings], Iterable[tuple[str, int]]], *,
+               timeout: float = -1) -> bool:
+    """Drops the committed steps ``choose`` picks, as :meth:`drop`, from what it holds
+    (``Holdings``), in one look; False where its lock is busy for ``timeout`` s (-1:
+    waits), then nothing is chosen."""
+    if not self._lock.acquire(timeout=timeout):
+      return False
+    try:
+      for directory, step in list(choose(self._holdings())):
+        self._drop(directory, step)
+    finally:
+      self._lock.release()
+    return True
+
+  def release(self, match: Callable[[str], bool]) -> int:
+    """Drops the committed steps (own shards and replicas) of the directories ``match``
+    accepts (resolved); returns how many steps went."""
+    with self._lock:
+      steps = {(s.directory, s.step) for s in self._steps.values()
+               if s.committed and match(os.path.realpath(s.directory))}
+      steps |= {(r.directory, r.step) for r in self._replicas.values()
+                if r.committed and match(os.path.realpath(r.directory))}
+      for directory, step in steps:
+        self._drop(directory, step)
+    return len(steps)
+
+  def clear(self) -> None:
+    """Drops every step and replica held (a test's end)."""
+    with self._lock:
+      for own in self._steps.values():
+        own.drop()
+      self._steps.clear()
+      self._replicas.clear()
+
+  def _evict(self, directory: str) -> list[int]:
+    """:meth:`evict`; the lock is held."""
     kept = self._evict_directory(directory)
-    group = self.groups.get(self._resolve(directory))
+    group = self._groups.get(self._resolve(directory))
     if group is None:
       return kept
     self._evict_group(group)
-    held = {s.step for s in self.steps.values() if s.directory == directory and s.committed}
-    held |= {r.step for r in self.replicas.values() if r.directory == directory and r.committed}
+    held = {s.step for s in self._steps.values() if s.directory == directory and s.committed}
+    held |= {r.step for r in self._replicas.values() if r.directory == directory and r.committed}
     return [step for step in kept if step in held]
 
   def _resolve(self, directory: str) -> str:
@@ -349,30 +430,30 @@ class RamTier:
     if budget is None:
       return
     size: dict[str, tuple[str, int, int]] = {}  # final_dir -> (directory, step, bytes)
-    copies: list[Step | Replica] = [*self.steps.values(), *self.replicas.values()]
+    copies: list[Step | Replica] = [*self._steps.values(), *self._replicas.values()]
     for held in copies:
-      if held.committed and self.groups.get(self._resolve(held.directory)) == group:
+      if held.committed and self._groups.get(self._resolve(held.directory)) == group:
         _, _, nbytes = size.get(held.final_dir, (held.directory, held.step, 0))
         size[held.final_dir] = (held.directory, held.step, nbytes + held.nbytes)
     used = 0
-    for final_dir in reversed([d for d in self.committed_dirs if d in size]):
+    for final_dir in reversed([d for d in self._committed_dirs if d in size]):
       directory, step, nbytes = size[final_dir]
       if used + nbytes <= budget:
         used += nbytes
         continue
-      self.drop(directory, step)
+      self._drop(directory, step)
       log.info("step %d of %s leaves the RAM tier of host %d: its %s would pass the RAM-tier "
                "quota of %r (%s, its newer steps first); its durable copy stays", step,
                directory, self.host_id, shm.format_size(nbytes), group, shm.format_size(budget),
                extra={"step": step})
 
   def _evict_directory(self, directory: str) -> list[int]:
-    keep, budget = self.ram_steps.get(directory, (1, None))
+    keep, budget = self._ram_steps.get(directory, (1, None))
     size: dict[int, int] = {}
-    for s in self.steps.values():
+    for s in self._steps.values():
       if s.directory == directory and s.committed:
         size[s.step] = size.get(s.step, 0) + s.nbytes
-    for r in self.replicas.values():
+    for r in self._replicas.values():
       if r.directory == directory and r.committed:
         size[r.step] = size.get(r.step, 0) + r.nbytes
     kept, used = [], 0
@@ -381,20 +462,86 @@ class RamTier:
         kept.append(step)
         used += size[step]
       else:
-        self.drop(directory, step)
+        self._drop(directory, step)
     return sorted(kept)
 
-  def drop(self, directory: str, step: int) -> None:
-    """Forgets the committed step's own shards and replicas here; their arena blocks go
-    back as their views die. The lock is held."""
-    for final_dir, s in list(self.steps.items()):
+  def _drop(self, directory: str, step: int) -> None:
+    """:meth:`drop`; the lock is held."""
+    for final_dir, s in list(self._steps.items()):
       if s.directory == directory and s.step == step and s.committed:
-        del self.steps[final_dir]
-        if final_dir in self.committed_dirs:  # a replica still on its way is dropped on arrival
-          self.committed_dirs[final_dir] = False
+        del self._steps[final_dir]
+        if final_dir in self._committed_dirs:  # a replica still on its way is dropped on arrival
+          self._committed_dirs[final_dir] = False
         s.drop()
-    for key, r in list(self.replicas.items()):
+    for key, r in list(self._replicas.items()):
       if r.directory == directory and r.step == step:
-        del self.replicas[key]
-        if r.final_dir in self.committed_dirs:
-          self.committed_dirs[r.final_dir] = False
+        del self._replicas[key]
+        if r.final_dir in self._committed_dirs:
+          self._committed_dirs[r.final_dir] = False
+
+  # ---- replicas ---------------------------------------------------------------
+
+  def open_replica(self, directory: str, step: int, final_dir: str, source: int) -> Replica:
+    """A new replica of ``final_dir`` from host ``source`` (receive): it replaces one of
+    the same step and source that is not whole at once, and a whole one only once whole
+    itself (:meth:`replica_whole`), so a resend that breaks leaves the old copy."""
+    with self._lock:
+      old = self._replicas.get((final_dir, source))
+      held = old is not None and old.whole
+      replica = Replica(directory, step, final_dir, source, replaces=old if held else None)
+      if not held:
+        self._replicas[(final_dir, source)] = replica
+    return replica
+
+  def hold_replica(self, replica: Replica) -> None:
+    """``replica`` held in place of any of its step and source (replace)."""
+    with self._lock:
+      self._replicas[(replica.final_dir, replica.source)] = replica
+
+  def add_replica_shard(self, replica: Replica, key: ShardId, data: np.ndarray) -> None:
+    """A whole shard of ``replica`` (``Replica.add_shard``)."""
+    with self._lock:
+      replica.add_shard(key, data)
+
+  def replica_piece(self, replica: Replica, key: ShardId, make: Callable[[], np.ndarray]
+                    ) -> list:
+    """``Replica.piece_block``."""
+    with self._lock:
+      return replica.piece_block(key, make)
+
+  def replica_piece_received(self, replica: Replica, key: ShardId, entry: list,
+                             nbytes: int) -> bool:
+    """``Replica.piece_received``."""
+    with self._lock:
+      return replica.piece_received(key, entry, nbytes)
+
+  def replica_whole(self, replica: Replica) -> bool:
+    """Its sender sent all of ``replica``: it replaces the whole one it was sent again of,
+    and is committed (then kept within the budget) or dropped as its step's commit went
+    meanwhile. Whether it is held (not aborted or evicted while it came)."""
+    final_dir, source = replica.final_dir, replica.source
+    with self._lock:
+      replica.mark_whole()
+      held = self._replicas.get((final_dir, source))
+      if held is not None and held is replica.replaces:  # a resend: the newer copy wins
+        self._replicas[(final_dir, source)] = replica
+        replica.take_place_of(held)
+        log.info("step %d: host %d's replica, sent again, replaces the one held",
+                 replica.step, source, extra={"step": replica.step})
+      elif held is not replica:
+        return False  # aborted or evicted while it came
+      fate = self._committed_dirs.get(final_dir)
+      if fate is not None:  # its step committed before the replica was whole
+        replica.commit()
+        if fate:
+          self._evict(replica.directory)
+        else:
+          del self._replicas[(final_dir, source)]
+    return True
+
+  def discard_partial(self, replica: Replica) -> None:
+    """Forgets ``replica`` if it is not whole, and only it: not a newer stream's."""
+    key = (replica.final_dir, replica.source)
+    with self._lock:
+      if self._replicas.get(key) is replica and not replica.whole:
+        del self._replicas[key]  # its blocks go back to the arena

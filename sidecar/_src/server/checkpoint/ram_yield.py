@@ -20,8 +20,9 @@ from collections.abc import Callable
 
 from sidecar._src.arena import shm
 from sidecar._src.server import metrics as metrics_lib
-from sidecar._src.server.checkpoint.ram_tier import RamTier, Replica
-from sidecar._src.server.checkpoint.step import Phase, Step
+from sidecar._src.server.checkpoint.copies import Replica
+from sidecar._src.server.checkpoint.ram_tier import Holdings, RamTier
+from sidecar._src.server.checkpoint.step import DURABLE, Step
 
 log = logging.getLogger(__name__)
 # How long ``reclaim`` and ``describe`` wait for the RAM tier's lock: the allocation that
@@ -40,34 +41,31 @@ class Copy:
 
   @property
   def durable(self) -> bool:
-    return self.state == "durable"
+    return self.state == DURABLE
 
 
 def _state(held: Step | Replica) -> str:
-  if held.committed:
-    return "durable"
+  """A step's reason is its view's (``step.VIEWS``); a replica is durable once committed."""
   if isinstance(held, Replica):
-    return "a replica on its way"
-  if held.error is not None:
-    return "its save failed"
-  return "waiting for its commit" if held.phase is Phase.WRITTEN else "being written"
+    return DURABLE if held.committed else "a replica on its way"
+  return held.view().copy
 
 
-def copies(tier: RamTier) -> list[Copy]:
-  """The copies ``tier`` holds: durable ones oldest commit first, then the others by step.
-  The lock is held."""
+def copies(holdings: Holdings) -> list[Copy]:
+  """The copies a RAM tier holds (``RamTier.look``, ``give_way``): durable ones oldest commit first,
+  then the others by step."""
   merged: dict[tuple[str, int], list] = {}  # (directory, step) -> [bytes, state, final_dir]
-  held: list[Step | Replica] = [*tier.steps.values(), *tier.replicas.values()]
+  held: list[Step | Replica] = [*holdings.steps, *holdings.replicas]
   for one in held:
-    entry = merged.setdefault((one.directory, one.step), [0, "durable", one.final_dir])
+    entry = merged.setdefault((one.directory, one.step), [0, DURABLE, one.final_dir])
     entry[0] += one.nbytes
-    if entry[1] == "durable" and not one.committed:  # durable once every part is
+    if entry[1] == DURABLE:  # durable once every part is
       entry[1] = _state(one)
-  commits = {final_dir: i for i, final_dir in enumerate(tier.committed_dirs)}
-  order = sorted(merged, key=lambda k: (merged[k][1] != "durable",
+  commits = {final_dir: i for i, final_dir in enumerate(holdings.commits)}
+  order = sorted(merged, key=lambda k: (merged[k][1] != DURABLE,
                                         commits.get(merged[k][2], len(commits)), k[1]))
-  return [Copy(directory, step, merged[directory, step][0],
-               tier.groups.get(os.path.realpath(directory)), merged[directory, step][1])
+  return [Copy(directory, step, merged[directory, step][0], holdings.group_of(directory),
+               merged[directory, step][1])
           for directory, step in order]
 
 
@@ -120,11 +118,10 @@ class Yielding:
     then those of no tenant, then other tenants' where beyond their guarantee.
     """
     tier = self._tier
-    if nbytes <= 0 or not tier.lock.acquire(timeout=LOCK_WAIT_S):
-      return 0
     gone: list[Copy] = []
-    try:
-      durable = [c for c in copies(tier) if c.durable]
+
+    def choose(held: Holdings) -> list[tuple[str, int]]:
+      durable = [c for c in copies(held) if c.durable]
       if tenant is not None:
         durable = ([c for c in durable if c.group == tenant]
                    + [c for c in durable if c.group is None]
@@ -139,10 +136,11 @@ class Yielding:
             spare[c.group] = left
             continue
           spare[c.group] = left - c.nbytes
-        tier.drop(c.directory, c.step)
         gone.append(c)
-    finally:
-      tier.lock.release()
+      return [(c.directory, c.step) for c in gone]
+
+    if nbytes <= 0 or not tier.give_way(choose, timeout=LOCK_WAIT_S):
+      return 0
     for c in gone:
       self._metrics.ram_tier_evicted("room", c.nbytes)
       log.info("step %d of %s leaves the RAM tier of host %d: new work%s needs %s of the "
@@ -155,11 +153,14 @@ class Yielding:
     """Drops the durable copies of the directories ``match`` accepts (resolved paths);
     returns those dropped and those kept (not durable yet)."""
     tier = self._tier
-    with tier.lock:
-      mine = [c for c in copies(tier) if match(os.path.realpath(c.directory))]
-      dropped = [c for c in mine if c.durable]
-      for c in dropped:
-        tier.drop(c.directory, c.step)
+    mine: list[Copy] = []
+
+    def choose(held: Holdings) -> list[tuple[str, int]]:
+      mine.extend(c for c in copies(held) if match(os.path.realpath(c.directory)))
+      return [(c.directory, c.step) for c in mine if c.durable]
+
+    tier.give_way(choose)
+    dropped = [c for c in mine if c.durable]
     kept = [c for c in mine if not c.durable]
     for c in dropped:
       self._metrics.ram_tier_evicted("operator", c.nbytes)
@@ -175,10 +176,7 @@ class Yielding:
   def describe(self, visible: Callable[[str], bool] | None = None) -> str:
     """What the RAM tier holds, for an error about a full arena; ``visible``: as
     :func:`describe`'s."""
-    if not self._tier.lock.acquire(timeout=LOCK_WAIT_S):
+    held = self._tier.look(copies, timeout=LOCK_WAIT_S)
+    if held is None:
       return "RAM-tier steps: (busy, not listed)"
-    try:
-      held = copies(self._tier)
-    finally:
-      self._tier.lock.release()
     return describe(held, visible)

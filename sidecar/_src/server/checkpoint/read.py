@@ -31,7 +31,7 @@ from sidecar._src.ckptfmt import records, registry as formats_lib
 from sidecar._src.ckptfmt.records import MANIFEST_FILE, Manifest, ShardRecord
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
-from sidecar._src.server.checkpoint import faults, ram_tier, step as step_lib
+from sidecar._src.server.checkpoint import copies, faults, ram_tier, step as step_lib
 from sidecar._src.user import outputs
 
 log = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ def info(final_dir: str, formats: formats_lib.Registry = formats_lib.DEFAULT, *,
 def readable_taken_over(held: step_lib.Step | None) -> bool:
   """Whether ``held`` is a step this host took over and still holds whole, committed or not
   (its write may go on): its bytes are the ones the sidecars commit."""
-  return (held is not None and held.taken_over
+  return (held is not None and held.takeover is not step_lib.Takeover.NONE
           and held.phase in (step_lib.Phase.STAGED, step_lib.Phase.WRITTEN,
                              step_lib.Phase.COMMITTED))
 
@@ -102,7 +102,8 @@ def taken_over(held: step_lib.Step | None, final_dir: str, host_id: int) -> Mani
   if held is None or not readable_taken_over(held):
     raise errors.InvalidArgumentError(
         f"host {host_id} holds no step taken over at {final_dir!r:.200}"
-        + (f" (it is {held.phase.value}{', taken over' if held.taken_over else ''})"
+        + (f" (it is {held.phase.value}"
+           f"{', taken over' if held.takeover is not step_lib.Takeover.NONE else ''})"
            if held is not None else "")
         + ": restore a committed step (latest_step())")
   records_ = held.written_records if held.phase is not step_lib.Phase.STAGED else []
@@ -177,19 +178,17 @@ class Reader:
           f"tier must be 'any', 'ram', 'replica' or 'disk', got {tier!r}")
     shard = record.id
     if tier in ("any", "ram", "replica"):
-      held: step_lib.Step | ram_tier.Replica | None = None
-      with self._tier.lock:
-        if tier == "replica":
-          held = next((r for r in self._tier.replicas.values() if r.final_dir == final_dir
-                       and r.whole and r.committed and shard in r.shards), None)
-        else:
-          held = self._tier.steps.get(final_dir)
-          # A step taken over, durable or not: an in-process rollback reads it (the
-          # bytes the sidecars commit), its records from ``taken_over``.
-          if held is not None and not (
-              (held.committed or (tier == "ram" and readable_taken_over(held)))
-              and shard in held.shards):
-            held = None
+      held: step_lib.Step | copies.Replica | None = None
+      if tier == "replica":
+        held = self._tier.replica_with(final_dir, shard)
+      else:
+        held = self._tier.find(final_dir)
+        # A step taken over, durable or not: an in-process rollback reads it (the
+        # bytes the sidecars commit), its records from ``taken_over``.
+        if held is not None and not (
+            (held.committed or (tier == "ram" and readable_taken_over(held)))
+            and shard in held.shards):
+          held = None
       if held is not None:
         data = held.shards[shard]
         out = data if byte_range is None else _byte_range(data, byte_range)
@@ -207,7 +206,7 @@ class Reader:
           log.warning("%s; reading the stored copy instead", e)
         else:
           self._metrics.restored_bytes(
-              "replica" if isinstance(held, ram_tier.Replica) else "ram", out.nbytes)
+              "replica" if isinstance(held, copies.Replica) else "ram", out.nbytes)
           return out
       elif tier != "any":
         raise errors.InvalidArgumentError(

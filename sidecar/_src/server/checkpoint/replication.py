@@ -4,7 +4,7 @@
 step to its replica hosts (``links.ReplicaLink``), on an idle-class thread, while the
 write goes on; they are named by host id, their addresses come from this sidecar's own
 ``--replica-hosts`` (``links.ReplicaHosts``). Each takes them with ``receive`` (the
-``Receive`` stream, one per replica) and keeps it as a ``ram_tier.Replica`` (the step's
+``Receive`` stream, one per replica) and keeps it as a ``copies.Replica`` (the step's
 item, the source host, the shards) in its RAM tier. A replica carries its tenant (the one this
 sidecar authenticated); the receiver counts it against that tenant's arena and RAM-tier quota
 (``accept``), toward its ``ram_budget``, and it leaves with its step: eviction by
@@ -32,6 +32,7 @@ from sidecar._src.ckptfmt.records import (
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
 from sidecar._src.server.checkpoint import (
+  copies,
   faults,
   links as links_lib,
   ram_tier,
@@ -91,15 +92,17 @@ class Replicator:
           f"bandwidth must be None or bytes per second >= 1, got {bandwidth!r}")
     own = self._tier.step_at(final_dir)
     own.wait_whole(timeout)  # processes sharing this host: wait for them all
-    with self._tier.lock:
-      if not own.whole:
-        raise errors.InvalidArgumentError(
-            f"step {own.step} is not staged whole on host {self._host_id}; replicate it "
-            "after its last part")
+    try:
       job, made = own.start_replication(
-          lambda: step_lib.Replication(targets, bandwidth, tenant=tenant))
-      if made:
-        self._spawn(self._replicate, own, job, name=f"sidecar-replicate-{own.step}")
+          lambda: copies.Replication(targets, bandwidth, tenant=tenant))
+    except step_lib.StateError:  # not whole (staging, failed before it was), or dropped
+      if own.phase is step_lib.Phase.DROPPED:
+        raise
+      raise errors.InvalidArgumentError(
+          f"step {own.step} is not staged whole on host {self._host_id}; replicate it "
+          "after its last part") from None
+    if made:
+      self._spawn(self._replicate, own, job, name=f"sidecar-replicate-{own.step}")
     if not job.wait(timeout):
       raise errors.DeadlineExceededError(
           f"step {own.step} is still being replicated after {timeout} s")
@@ -110,7 +113,7 @@ class Replicator:
     assert job.result is not None
     return job.result
 
-  def _replicate(self, own: step_lib.Step, job: step_lib.Replication) -> None:
+  def _replicate(self, own: step_lib.Step, job: copies.Replication) -> None:
     direct_io.background_thread()
     t0 = time.perf_counter()
     shards = own.staged()
@@ -140,7 +143,7 @@ class Replicator:
     shards.clear()
     job.succeeded(result)
 
-  def open_replica(self, header: ReplicaHeader, tenant: str | None = None) -> ram_tier.Replica:
+  def open_replica(self, header: ReplicaHeader, tenant: str | None = None) -> copies.Replica:
     """A new replica for one stream of another sidecar's shards (``header`` names them,
     ``tenant`` whose they are: the sending sidecar says, checked by ``accept``).
 
@@ -154,16 +157,9 @@ class Replicator:
     self._path(directory, "header.directory")
     self._path(final_dir, "header.final_dir")
     self._accept(tenant, directory)
-    with self._tier.lock:
-      old = self._tier.replicas.get((final_dir, source))
-      held = old is not None and old.whole
-      replica = ram_tier.Replica(directory, step, final_dir, source,
-                                 replaces=old if held else None)
-      if not held:
-        self._tier.replicas[(final_dir, source)] = replica
-    return replica
+    return self._tier.open_replica(directory, step, final_dir, source)
 
-  def receive(self, replica: ram_tier.Replica, blocks: Sequence[Staged],
+  def receive(self, replica: copies.Replica, blocks: Sequence[Staged],
               piece: ReplicaPiece | None = None, payload: np.ndarray | None = None, *,
               done: bool = False) -> int:
     """Takes shards another sidecar sends (``links.ReplicaLink``) into ``replica``
@@ -173,8 +169,7 @@ class Replicator:
     in pieces: ``piece`` says where ``payload``'s bytes go in one shard's, assembled here
     in an arena block. ``done``: the replica is whole. Returns the bytes held.
     """
-    directory, step = replica.directory, replica.step
-    final_dir, source = replica.final_dir, replica.source
+    step, source = replica.step, replica.source
     self._replica_fault(step)
     for b in blocks:  # whole blocks of our arena
       self._add_shard(replica, b.record, b.data)
@@ -184,50 +179,30 @@ class Replicator:
             "receive: a piece of a shard comes alone, with its bytes as payload")
       key = piece.record.id
       offset, chunk = piece.offset, np.asarray(payload).reshape(-1).view(np.uint8)
-      with self._tier.lock:
-        entry = replica.piece_block(key, lambda: outputs.empty(
-            piece.record.shape, codec.dtype_of(piece.record.dtype,
-                                               f"replica of {key.key_path}")))
+      entry = self._tier.replica_piece(replica, key, lambda: outputs.empty(
+          piece.record.shape, codec.dtype_of(piece.record.dtype,
+                                             f"replica of {key.key_path}")))
       flat = entry[0].reshape(-1).view(np.uint8)
       if not 0 <= offset <= flat.nbytes - chunk.nbytes:
         raise errors.InvalidArgumentError(
             f"receive: chunk at {offset} of {chunk.nbytes} bytes does not fit a shard of "
             f"{flat.nbytes}")
       flat[offset:offset + chunk.nbytes] = chunk
-      with self._tier.lock:
-        whole = replica.piece_received(key, entry, chunk.nbytes)
+      whole = self._tier.replica_piece_received(replica, key, entry, chunk.nbytes)
       if whole:
         self._add_shard(replica, piece.record, entry[0])
     if done:
-      with self._tier.lock:
-        replica.mark_whole()
-        held = self._tier.replicas.get((final_dir, source))
-        if held is not None and held is replica.replaces:  # a resend: the newer copy wins
-          self._tier.replicas[(final_dir, source)] = replica
-          replica.take_place_of(held)
-          log.info("step %d: host %d's replica, sent again, replaces the one held", step,
-                   source, extra={"step": step})
-        elif held is not replica:
-          return 0  # aborted or evicted while it came
-        fate = self._tier.committed_dirs.get(final_dir)
-        if fate is not None:  # its step committed before the replica was whole
-          replica.commit()
-          if fate:
-            self._tier.evict(directory)
-          else:
-            del self._tier.replicas[(final_dir, source)]
+      if not self._tier.replica_whole(replica):
+        return 0  # aborted or evicted while it came
       log.info("step %d: holding host %d's replica (%d shards, %s)", step, source,
                len(replica.shards), shm.format_size(replica.nbytes), extra={"step": step})
     return replica.nbytes
 
-  def drop_partial(self, replica: ram_tier.Replica) -> None:
+  def drop_partial(self, replica: copies.Replica) -> None:
     """Forgets ``replica`` if it is not whole, and only it: not a newer stream's."""
-    key = (replica.final_dir, replica.source)
-    with self._tier.lock:
-      if self._tier.replicas.get(key) is replica and not replica.whole:
-        del self._tier.replicas[key]  # its blocks go back to the arena
+    self._tier.discard_partial(replica)
 
-  def _add_shard(self, replica: ram_tier.Replica, record: ShardRecord, data: np.ndarray
+  def _add_shard(self, replica: copies.Replica, record: ShardRecord, data: np.ndarray
                  ) -> None:
     """Adds a whole shard, if it has the crc32c its sender computed (its record's)."""
     key, crc32c = record.id, record.crc32c
@@ -237,16 +212,14 @@ class Replicator:
           f"{replica.source}'s "
           f"replica of step {replica.step} does not match the crc32c its sender computed "
           f"({crc32c}): the replica is dropped")
-    with self._tier.lock:
-      replica.add_shard(key, data)
+    self._tier.add_replica_shard(replica, key, data)
 
   def _replica_fault(self, step: int) -> None:
     if not faults.armed("replicate", step):
       return
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:  # until our own part of the step is committed
-      with self._tier.lock:
-        if any(s.step == step and s.committed for s in self._tier.steps.values()):
-          break
+      if self._tier.steps(lambda s: s.step == step and s.committed):
+        break
       time.sleep(0.02)
     faults.fault("replicate", step)

@@ -31,7 +31,7 @@ from sidecar._src.ckptfmt import direct_io, records, registry as formats_lib
 from sidecar._src.ckptfmt.direct_io import Turn
 from sidecar._src.ckptfmt.format import Format
 from sidecar._src.ckptfmt.orbax import read as orbax_read
-from sidecar._src.ckptfmt.records import Manifest, ShardRecord, Staged
+from sidecar._src.ckptfmt.records import AgreePhase, Manifest, ShardRecord, Staged
 from sidecar._src.ckptfmt.spec import LeafSpec
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
@@ -114,15 +114,12 @@ class StepWriter:
       shutil.rmtree(gone, ignore_errors=True)  # a removal cut short
     tmps = [t for f in self._formats.formats.values() for t in f.sweep(path)] if sweep else []
     for tmp in tmps:
-      with self._tier.lock:
-        in_flight = any(s.directory == directory and (not s.write_ended or s.commit_pending)
-                        for s in self._tier.steps.values())
+      in_flight = bool(self._tier.in_flight(directory))
       in_flight = in_flight or self._begins.in_flight_at(pathlib.Path(os.path.realpath(tmp)))
       if not in_flight:  # a step whose save crashed before its commit
         _remove_dir(tmp)
         log.warning("removed %s, left by a save that never committed", tmp)
-    with self._tier.lock:
-      self._tier.ram_steps[directory] = (ram_steps, ram_budget)
+    self._tier.configure(directory, ram_steps, ram_budget)
     # Only numbered directories that hold a checkpoint's marker are steps: an empty
     # ``999/`` (or one being made by hand) is neither listed nor ever deleted.
     return [s for s in orbax_read.list_steps(directory)
@@ -130,9 +127,7 @@ class StepWriter:
 
   def _wait_for_commits(self, directory: str, wait_s: float) -> None:
     """Waits for the end (committed or abandoned) of ``directory``'s steps taken over here."""
-    with self._tier.lock:
-      pending = [s for s in self._tier.steps.values()
-                 if s.directory == directory and s.commit_pending]
+    pending = self._tier.pending_commits(directory)
     deadline = time.monotonic() + wait_s
     for s in pending:
       log.info("open: waiting for step %d to be written and committed first (its trainers "
@@ -299,25 +294,28 @@ class StepWriter:
           f"stage: final_dir {final_dir!r:.200} is not where tmp_dir {tmp_dir!r:.200} goes once "
           f"committed ({final!r:.200})")
     faults.fault("stage", step)
-    with self._tier.lock:
-      own = self._tier.steps.get(final_dir)
-      if own is not None and not own.write_ended and (
+    with self._tier.slot(final_dir) as slot:
+      own = slot.step
+      phase = own.phase if own is not None else None
+      writing = phase in (step_lib.Phase.STAGING, step_lib.Phase.STAGED)
+      if own is not None and writing and (
           own.tmp_dir != tmp_dir
           or (owner not in own.owners and len(own.owners) >= own.writers)):
         raise errors.PermissionDeniedError(
             f"stage: step {own.step} at {final_dir!r:.200} is being saved by another "
             f"session on host {self._host_id}; only the session that began a save stages "
             "its parts")
-      if own is None or own.write_ended:
+      if own is None or not writing:
         own = step_lib.Step(directory, step, final_dir, tmp_dir=tmp_dir, writers=writers,
                             format=fmt.name, numbering=fmt.numbering(leaves))
-        self._tier.add(own)
+        slot.hold(own)
+        phase = step_lib.Phase.STAGING
         self._spawn(functools.partial(
             write_lib.write_step, own, fmt, host_id=self._host_id, tier=self._tier,
             metrics=self._metrics, turn=self._write_turn(owner) or direct_io.no_turn,
             finish_tmp=finish_tmp), name=f"sidecar-ckpt-{step}")
       # (else its writer ran it: a part that begins a step in flight is refused first)
-      if own.whole:
+      if phase is step_lib.Phase.STAGED:
         raise errors.InvalidArgumentError(
             f"stage: step {step} of {directory!r:.200} is staged already on host "
             f"{self._host_id}: another save of step {step} into this directory is in flight "
@@ -330,7 +328,8 @@ class StepWriter:
       except errors.InvalidArgumentError as e:
         raise errors.InvalidArgumentError(f"step {step} on host {self._host_id}: {e}") from None
       except step_lib.StateError:  # its write failed, or it was aborted, since the check above
-        if own.error is not None:
+        if own.phase is step_lib.Phase.FAILED:
+          assert own.error is not None
           raise write_lib.write_failure(self._host_id, step, final_dir, own.error,
                                         tmp_dir=tmp_dir) from None
         raise errors.ClosedError(f"stage: the save of step {step} was aborted on host "
@@ -364,7 +363,8 @@ class StepWriter:
     if not own.wait_written(timeout):
       raise errors.DeadlineExceededError(
           f"step {own.step} is still being written after {timeout} s")
-    if own.error is not None:
+    if own.view().agree is AgreePhase.FAILED:  # (a step dropped since: as its write ended)
+      assert own.error is not None
       raise write_lib.write_failure(self._host_id, own.step, final_dir, own.error,
                                     tmp_dir=own.tmp_dir)
     faults.fault("prepared", own.step)
@@ -386,14 +386,13 @@ class StepWriter:
     """
     step = roots_lib.as_int(step, "step")
     fmt, tmp_dir, _ = self._uncommitted(tmp_dir, "tmp_dir")
-    with self._tier.lock:
-      own = next((s for s in self._tier.steps.values() if s.tmp_dir == tmp_dir), None)
-      if (own is None or owner not in own.owners or own.step != step
-          or own.committed or own.taken_over):
-        raise errors.PermissionDeniedError(
-            f"commit: tmp_dir {tmp_dir!r:.200} is not a step {step} this session staged on "
-            f"host {self._host_id}, or is being committed already; a session commits only "
-            "the save it began, once")
+    own = self._tier.find_tmp(tmp_dir)
+    if (own is None or owner not in own.owners or own.step != step
+        or own.committed or own.takeover is not step_lib.Takeover.NONE):
+      raise errors.PermissionDeniedError(
+          f"commit: tmp_dir {tmp_dir!r:.200} is not a step {step} this session staged on "
+          f"host {self._host_id}, or is being committed already; a session commits only "
+          "the save it began, once")
     return self._commit(own, fmt, tmp_dir, num_hosts, leaves, shards, data_state,
                         whole_step, replicas, extra)
 
@@ -414,11 +413,12 @@ class StepWriter:
               whole_step: bool, replicas: dict[int, list[int]] | None, extra: Any) -> str:
     """:meth:`commit` of ``own``, written here, once checked to be the caller's."""
     step = own.step
-    if own.error is not None:
+    part = own.view().agree
+    if part is AgreePhase.FAILED:
       raise errors.InvalidArgumentError(
           f"commit: step {step} at {tmp_dir!r:.200} failed to write on host {self._host_id} "
           f"({own.error}); save it again")
-    if not own.write_ended:  # a save commits after its prepared: this is another's
+    if part is AgreePhase.TAKEN_OVER:  # a save commits after its prepared: another's
       raise errors.InvalidArgumentError(
           f"commit: step {step} at {tmp_dir!r:.200} is still being written on host "
           f"{self._host_id}: another save of step {step} into this directory is in flight "

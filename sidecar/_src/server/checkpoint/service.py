@@ -29,7 +29,7 @@ from sidecar._src.ckptfmt.records import Manifest
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
 from sidecar._src.server.arenas.arena_io import ArenaIO
-from sidecar._src.server.checkpoint import links as links_lib, ram_tier, ram_yield
+from sidecar._src.server.checkpoint import copies, links as links_lib, ram_yield
 from sidecar._src.server.checkpoint.checkpoints import Checkpoints
 from sidecar._src.server.limits import CheckpointSlots, InlineBytes, Sessions, Slots
 from sidecar._src.server.tenancy import tenants as tenants_lib
@@ -470,7 +470,7 @@ class CheckpointService:
       self._checkpoints.replicator.drop_partial(replica)  # a stream cut short leaves none
       raise
 
-  def _receive_all(self, replica: ram_tier.Replica, message: ckpt_pb.ReceiveRequest,
+  def _receive_all(self, replica: copies.Replica, message: ckpt_pb.ReceiveRequest,
                    data: memoryview | None, requests: Iterator[bytes], view: codec.FromArena,
                    context: grpc.ServicerContext) -> ckpt_pb.ReceiveResponse:
     held, n = 0, 0
@@ -490,7 +490,7 @@ class CheckpointService:
               "without `done`: it is not whole")
         (message, data), n = parse_receive(raw), n + 1
 
-  def _receive_one(self, replica: ram_tier.Replica, m: ckpt_pb.ReceiveRequest,
+  def _receive_one(self, replica: copies.Replica, m: ckpt_pb.ReceiveRequest,
                    view: codec.FromArena, n: int,
                    data: memoryview | None) -> int:
     where = f"ReceiveRequest {n}"

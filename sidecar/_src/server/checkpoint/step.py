@@ -18,23 +18,45 @@ assigns it. Its :class:`Phase`::
   records as written (crc32c set), or FAILED with the write's error. A step dropped
   meanwhile (aborted mid-write) stays DROPPED: the outcome is only recorded.
 - ``commit`` (``ram_tier.RamTier.mark_committed``): WRITTEN to COMMITTED, once; again is
-  nothing.
+  nothing. It does not end an agreement (the tier ends it, explicitly, beside).
 - ``drop`` (``ram_tier.RamTier``: evicted, expired, aborted, abandoned, replaced, a write
   failed mid-stage): its bytes go back to the arena (as their last views die), its
   replication is cancelled, and a writer still waiting for shards is stopped.
 
 Beside the phase, two things run along with it:
 
-- **taken over** (``agreement.Agreements``): ``take_over`` once STAGED with its writers'
-  plans; ``refuse_takeover`` if the committer refused it; ``end_agreement`` once the
-  sidecars committed or abandoned it (``commit`` ends it too). Till then it is
-  ``commit_pending``, whether or not its trainers are there.
+- **its takeover** (:class:`Takeover`, ``agreement.Agreements``): NONE, then PENDING by
+  ``take_over`` once STAGED with its writers' plans (NONE again by ``refuse_takeover`` if
+  the committer refused it), ENDED by ``end_agreement`` once the sidecars committed or
+  abandoned it (``agreement.Agreements``), or once it is committed here
+  (``ram_tier.RamTier.mark_committed``), whether or not its trainers are there. Only the
+  step holds whether it was taken over.
 - **replication** (``replication.Replicator``): ``start_replication`` once STAGED (once
-  per step), its :class:`Replication` ending ``succeeded`` or ``failed``, cancelled by
+  per step), its ``copies.Replication`` ending ``succeeded`` or ``failed``, cancelled by
   ``drop`` and ``stop``.
 
 A transition from a phase it does not leave raises :class:`StateError` (an internal
 error: a caller's bug, never a client's).
+
+Outside this module, code reads a step's ``phase`` and its ``takeover``, never how they
+are kept: :data:`VIEWS` projects each (phase, takeover) to every outside view of it
+(:class:`View`: what this host tells the committer, the Status lists, the RAM tier's
+reason to keep it, ``sidecar drain``'s word), and :meth:`Step.view` reads it::
+
+    phase      takeover  agree       Status lists           RAM tier's reason        drain
+    STAGING    NONE      TAKEN_OVER  writing                being written            writing
+    STAGING    PENDING   TAKEN_OVER  committing, writing    being written            writing
+    STAGED     (as STAGING)
+    WRITTEN    NONE      WRITTEN     uncommitted            waiting for its commit   uncommitted
+    WRITTEN    PENDING   WRITTEN     committing             waiting for its commit   writing
+    FAILED     NONE      FAILED      uncommitted            its save failed          uncommitted
+    FAILED     PENDING   FAILED      committing             its save failed          writing
+    COMMITTED  NONE      WRITTEN     ram_steps              durable                  committed
+    COMMITTED  PENDING   WRITTEN     committing, ram_steps  durable                  writing
+    DROPPED    any       (its write) -                      being written            -
+
+ENDED reads as NONE. A dropped step is in no list (the RAM tier holds it no more); what it
+tells the committer is its write's end, kept through the drop (``Step.view``).
 
 Threads: the gRPC handlers (``take``, ``commit``, ``drop``), the step's writer
 (``arrivals``, ``count_written``, ``end_write``), the agreement's threads
@@ -42,14 +64,15 @@ Threads: the gRPC handlers (``take``, ``commit``, ``drop``), the step's writer
 replication (``start_replication``, ``staged``). Each step's own ``_lock`` guards its
 phase and its shards; it is a leaf (nothing that takes a lock is called while it is
 held: only the format's numbering of a Stage's shards runs under it), so any other lock,
-the RAM tier's first, may be held around it. The RAM tier's lock is held around every
-``take`` and ``drop`` (which steps the tier holds changes with them). Waiting is on
-events: ``wait_written``, ``wait_whole``, ``wait_agreed``. What is set once at the start
-(its directory, step, paths, format, numbering) is read-only.
+the RAM tier's first, may be held around it. The RAM tier takes its own lock around every
+``take`` and ``drop`` (which steps it holds changes with them: ``RamTier.slot``). Waiting
+is on events: ``wait_written``, ``wait_whole``, ``wait_agreed``. What is set once at the
+start (its directory, step, paths, format, numbering) is read-only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import queue
 import threading
@@ -61,16 +84,16 @@ import numpy as np
 
 from sidecar._src.ckptfmt.format import Numbering
 from sidecar._src.ckptfmt.records import (
+  AgreePhase,
   CommitPlan,
   Manifest,
-  ReplicaTarget,
-  Replicated,
   ShardId,
   ShardRecord,
   Staged,
 )
 from sidecar._src.ckptfmt.spec import LeafSpec
 from sidecar._src.core import errors
+from sidecar._src.server.checkpoint.copies import Replication, StepCopy
 
 
 class Phase(enum.Enum):
@@ -83,52 +106,101 @@ class Phase(enum.Enum):
   DROPPED = "dropped"  # gone from the RAM tier: its bytes went back
 
 
+class Takeover(enum.Enum):
+  """Whether the sidecars took a :class:`Step` over (``agreement.py``), beside its phase."""
+  NONE = "not taken over"  # its trainers commit it (or nobody does)
+  PENDING = "taken over"  # the sidecars commit it; its end is not known here yet
+  ENDED = "agreed"  # the sidecars committed or abandoned it, or it is committed here
+
+
+# The Status lists a step is in (``CheckpointStatus``'s fields).
+WRITING_LIST, UNCOMMITTED_LIST = "writing", "uncommitted"
+RAM_LIST, COMMITTING_LIST = "ram_steps", "committing"
+# What ``sidecar drain`` (tools/drain.py) calls a step a sidecar lists.
+WRITING, UNCOMMITTED, COMMITTED = "writing", "uncommitted", "committed"
+# Why the RAM tier keeps a copy (``ram_yield.Copy.state``): durable, or why not.
+DURABLE, FAILED_COPY = "durable", "its save failed"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class View:
+  """A step in one (phase, takeover), as each reader outside this module sees it.
+
+  Attributes:
+    agree: what this host tells the committer of its part (``agreement.py``); None: as its
+      write ended (a dropped step: WRITTEN, FAILED, or TAKEN_OVER while still written).
+    lists: the Status lists it is in (``RamTier.status``).
+    copy: why the RAM tier keeps it (``ram_yield``): durable, or why not.
+    drain: what ``sidecar drain`` calls it ("" where no list names it).
+  """
+  agree: AgreePhase | None
+  lists: tuple[str, ...]
+  copy: str
+  drain: str
+
+  @property
+  def in_flight(self) -> bool:
+    """Being written, or taken over with its end not known: a stop waits for it, an
+    ``open`` keeps its directory, ``sidecar drain`` says "writing"."""
+    return self.drain == WRITING
+
+  @property
+  def writing(self) -> bool:
+    """Its write goes on (Status's ``writing``): its bytes are counted as being written."""
+    return WRITING_LIST in self.lists
+
+  @property
+  def uncommitted(self) -> bool:
+    """Written (or failed) and not committed, its end not awaited: it expires."""
+    return UNCOMMITTED_LIST in self.lists
+
+  @property
+  def saving(self) -> bool:
+    """A save in progress (staged, being written or waiting for its commit): counted
+    against a pool tenant's saves."""
+    return self.copy not in (DURABLE, FAILED_COPY)
+
+
+_W, _U, _R, _C = WRITING_LIST, UNCOMMITTED_LIST, RAM_LIST, COMMITTING_LIST
+# Per phase: what it tells the committer, why the RAM tier keeps it, and its Status lists
+# with drain's word, not taken over (or its agreement ended), then taken over, pending.
+_ROWS: dict[Phase, tuple[AgreePhase | None, str, tuple[tuple[str, ...], str],
+                         tuple[tuple[str, ...], str]]] = {
+    Phase.STAGING: (AgreePhase.TAKEN_OVER, "being written", ((_W,), WRITING),
+                    ((_C, _W), WRITING)),
+    Phase.STAGED: (AgreePhase.TAKEN_OVER, "being written", ((_W,), WRITING),
+                   ((_C, _W), WRITING)),
+    Phase.WRITTEN: (AgreePhase.WRITTEN, "waiting for its commit", ((_U,), UNCOMMITTED),
+                    ((_C,), WRITING)),
+    Phase.FAILED: (AgreePhase.FAILED, FAILED_COPY, ((_U,), UNCOMMITTED), ((_C,), WRITING)),
+    Phase.COMMITTED: (AgreePhase.WRITTEN, DURABLE, ((_R,), COMMITTED), ((_C, _R), WRITING)),
+    Phase.DROPPED: (None, "being written", ((), ""), ((), "")),  # the tier holds it no more
+}
+
+
+def _row(phase: Phase, takeover: Takeover) -> View:
+  agree, copy, plain, pending = _ROWS[phase]
+  lists, drain = pending if takeover is Takeover.PENDING else plain
+  return View(agree, lists, copy, drain)
+
+
+# Every outside view of a step, by (phase, takeover): the one table.
+VIEWS = {
+    (phase, takeover): _row(phase, takeover) for phase in Phase for takeover in Takeover}
+
+
+def drain_of(lists: frozenset[str]) -> str:
+  """What ``sidecar drain`` calls a step that a sidecar's Status lists in ``lists``
+  (:data:`VIEWS` read backwards)."""
+  return _DRAIN_OF.get(lists, WRITING if COMMITTING_LIST in lists or WRITING_LIST in lists
+                       else UNCOMMITTED if UNCOMMITTED_LIST in lists else COMMITTED)
+
+
+_DRAIN_OF = {frozenset(v.lists): v.drain for v in VIEWS.values() if v.lists}
+
+
 class StateError(errors.SidecarError, RuntimeError):
   """A transition from a phase a step does not leave that way: a bug of its caller."""
-
-
-class Replication:
-  """This host's shards of one step on their way to its replica hosts (``receivers``).
-
-  ``succeeded``/``failed`` end it (its sending thread's); ``cancel`` asks it to stop.
-  """
-
-  def __init__(self, receivers: Sequence[ReplicaTarget], bandwidth: int | None = None, *,
-               tenant: str | None = None):
-    self.receivers: tuple[ReplicaTarget, ...] = tuple(receivers)
-    self.bandwidth = bandwidth  # bytes per second, each receiver's copy in turn
-    self.tenant = tenant  # whose shards (its replicas carry it), as this sidecar knows
-    self._done = threading.Event()
-    self._cancelled = threading.Event()
-    self._result: Replicated | None = None
-    self._error: BaseException | None = None
-
-  @property
-  def result(self) -> Replicated | None:
-    return self._result
-
-  @property
-  def error(self) -> BaseException | None:
-    return self._error
-
-  @property
-  def cancelled(self) -> bool:
-    return self._cancelled.is_set()
-
-  def cancel(self) -> None:
-    self._cancelled.set()
-
-  def wait(self, timeout: float | None) -> bool:
-    """Waits for its end; whether it ended."""
-    return self._done.wait(timeout)
-
-  def succeeded(self, result: Replicated) -> None:
-    self._result = result
-    self._done.set()
-
-  def failed(self, error: BaseException) -> None:
-    self._error = error
-    self._done.set()
 
 
 class _Bytes(Mapping[ShardId, np.ndarray]):
@@ -151,7 +223,7 @@ class _Bytes(Mapping[ShardId, np.ndarray]):
     return len(self._staged)
 
 
-class Step:
+class Step(StepCopy):
   """One step this sidecar staged: its shards (the RAM tier's copy) and how far it got.
 
   Args:
@@ -166,7 +238,7 @@ class Step:
   def __init__(self, directory: str, step: int, final_dir: str, *, tmp_dir: str = "",
                writers: int = 1, format: str = "orbax",  # noqa: A002 - the wire's field
                numbering: Numbering | None = None):
-    self._directory, self._step, self._final_dir = directory, step, final_dir
+    super().__init__(directory, step, final_dir)
     self._tmp_dir, self._writers, self._format = tmp_dir, max(writers, 1), format
     self._numbering = numbering
     self._started = time.monotonic()
@@ -205,18 +277,6 @@ class Step:
   # ---- what it is (read-only) ------------------------------------------------
 
   @property
-  def directory(self) -> str:
-    return self._directory
-
-  @property
-  def step(self) -> int:
-    return self._step
-
-  @property
-  def final_dir(self) -> str:
-    return self._final_dir
-
-  @property
   def tmp_dir(self) -> str:
     return self._tmp_dir
 
@@ -243,21 +303,33 @@ class Step:
     return self._phase
 
   @property
+  def takeover(self) -> Takeover:
+    """Whether the sidecars took it over, and whether its end is known here."""
+    agreed = self._agreed
+    if agreed is None:
+      return Takeover.NONE
+    return Takeover.ENDED if agreed.is_set() else Takeover.PENDING
+
+  def view(self) -> View:
+    """How the outside sees it now (:data:`VIEWS`); a dropped step tells the committer
+    its write's end, kept through the drop."""
+    with self._lock:
+      phase, takeover = self._phase, self.takeover
+      ended, failed = self._written_event.is_set(), self._error is not None
+    view = VIEWS[(phase, takeover)]
+    if view.agree is None:
+      agree = (AgreePhase.TAKEN_OVER if not ended
+               else AgreePhase.FAILED if failed else AgreePhase.WRITTEN)
+      view = dataclasses.replace(view, agree=agree)
+    return view
+
+  @property
   def committed(self) -> bool:
     return self._phase is Phase.COMMITTED
 
   @property
-  def whole(self) -> bool:
-    """Every writer's last part came: no more shards come."""
-    return self._whole
-
-  @property
-  def write_ended(self) -> bool:
-    return self._written_event.is_set()
-
-  @property
   def error(self) -> BaseException | None:
-    """Its write's error, once it ended so."""
+    """Its write's error, once it ended so (its view's ``agree`` is FAILED)."""
     return self._error
 
   @property
@@ -308,16 +380,6 @@ class Step:
   @property
   def replication(self) -> Replication | None:
     return self._replication
-
-  @property
-  def taken_over(self) -> bool:
-    return self._agreed is not None
-
-  @property
-  def commit_pending(self) -> bool:
-    """Whether this host took the step over and does not know its end yet."""
-    agreed = self._agreed
-    return agreed is not None and not agreed.is_set()
 
   def trainers_alive(self) -> bool | None:
     """Whether a trainer that staged a part of it is still there (None: not known)."""
@@ -417,10 +479,12 @@ class Step:
     self._written += nbytes
 
   def end_write(self, records: list[ShardRecord] | None = None, *,
-                error: BaseException | None = None) -> None:
+                error: BaseException | None = None) -> Phase:
     """The writer's: WRITTEN with ``records`` (from STAGED), or FAILED with ``error``
-    (from STAGING or STAGED); a step dropped meanwhile stays DROPPED, its outcome kept."""
+    (from STAGING or STAGED); a step dropped meanwhile stays DROPPED, its outcome kept.
+    Returns the phase it left (STAGING: it failed before it was whole)."""
     with self._lock:
+      left = self._phase
       if self._written_event.is_set():
         raise StateError(f"step {self._step} at {self._final_dir!r:.200}: its write ended "
                          "already")
@@ -434,16 +498,14 @@ class Step:
       self._finished = time.monotonic()
     self._written_event.set()
     self._whole_event.set()
+    return left
 
   def commit(self) -> None:
-    """``ram_tier.RamTier.mark_committed``'s: WRITTEN to COMMITTED (again: nothing); the
-    agreement on it, if taken over, has ended."""
+    """``ram_tier.RamTier.mark_committed``'s: WRITTEN to COMMITTED (again: nothing). Its
+    takeover is left as it is (the tier ends it: ``end_agreement``)."""
     with self._lock:
       if self._phase is not Phase.COMMITTED:
         self._move(Phase.COMMITTED, legal=(Phase.WRITTEN,))
-      agreed = self._agreed
-    if agreed is not None:
-      agreed.set()
 
   def keep_manifest(self, manifest: Manifest) -> None:
     """A DCP step's manifest, kept with its RAM-tier copy (``info`` answers it)."""
@@ -496,7 +558,8 @@ class Step:
       self._agreed = None
 
   def end_agreement(self) -> None:
-    """``agreement.Agreements``': the sidecars committed or abandoned it."""
+    """``agreement.Agreements``': the sidecars committed or abandoned it (and
+    ``ram_tier.RamTier.mark_committed``'s: committed here); again is nothing."""
     agreed = self._agreed
     if agreed is None:
       raise StateError(f"step {self._step} at {self._final_dir!r:.200} was not taken over")

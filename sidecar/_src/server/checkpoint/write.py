@@ -82,9 +82,8 @@ def write_step(own: step_lib.Step, fmt: Format, *, host_id: int, tier: ram_tier.
     e.__context__ = e.__cause__ = None  # and so would those of the exceptions it chains
     log.error("step %d: writing this host's part failed: %s", own.step, e,
               extra={"step": own.step})
-    own.end_write(error=error)
-    if not own.whole:  # its trainer is gone mid-save: nobody will commit or abort it
-      tier.remove(own)
+    if own.end_write(error=error) is step_lib.Phase.STAGING:  # not whole: its trainer is
+      tier.remove(own)  # gone mid-save, nobody will commit or abort it
     return
   own.end_write(written)
 

@@ -16,7 +16,7 @@ import time
 from sidecar._src.arena import shm
 from sidecar._src.core import platform
 from sidecar._src.server.feeds import producer
-from sidecar._src.user import data_paths, registry as registry_lib
+from sidecar._src.user import data_roots, registry as registry_lib
 from sidecar._src.wire import codec, ipc, protocol
 from sidecar._src.wire.protocol import pb
 
@@ -28,7 +28,7 @@ def serve(sock: socket.socket, arena_fd: int) -> None:
     entry = registry_lib.default_registry().get(registry_lib.PIPELINE, hello["name"])
     spec = producer.Spec.from_proto(pb.FeedSpec.FromString(base64.b64decode(hello["spec"])))
     kwargs = codec.decode(pb.Value.FromString(base64.b64decode(hello["kwargs"])))
-    roots = data_paths.DataRoots.from_dict(hello["data_roots"])
+    roots = data_roots.DataRoots.from_dict(hello["data_roots"])
     ds = producer.open_source(entry, kwargs, spec, 0, 0, roots)
     arena = shm.Arena.attach(arena_fd, int(hello["arena_size"]),
                              populate=bool(hello.get("arena_populate", True)))

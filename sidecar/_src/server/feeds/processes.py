@@ -30,7 +30,7 @@ import numpy as np
 from sidecar._src.arena import shm
 from sidecar._src.core import errors, platform
 from sidecar._src.server.pool import shares as shares_lib
-from sidecar._src.user import data_paths
+from sidecar._src.user import data_roots
 from sidecar._src.wire import ipc, protocol
 from sidecar._src.wire.protocol import pb
 
@@ -69,7 +69,7 @@ class FeedProcesses:
   def __init__(self, size: int, *, arena: shm.Arena, imports: tuple[str, ...], name: str,
                kwargs: pb.Value, spec: pb.FeedSpec, turns: shares_lib.Turns | None = None,
                alive: Callable[[], bool] | None = None,
-               roots: data_paths.DataRoots = data_paths.ANYWHERE):
+               roots: data_roots.DataRoots = data_roots.ANYWHERE):
     self.size = size
     self._turns = turns
     self._alive = alive

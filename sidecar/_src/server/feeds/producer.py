@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from sidecar._src.core import errors, trees
-from sidecar._src.user import data_paths, registry as registry_lib
+from sidecar._src.user import data_paths, data_roots, registry as registry_lib
 from sidecar._src.user.pipeline_context import PipelineContext
 from sidecar._src.wire import codec, feed_batch
 from sidecar._src.wire.protocol import pb
@@ -132,7 +132,7 @@ def epoch_seed(seed: int, epoch: int) -> int:
 
 
 def open_source(entry: registry_lib.Entry, kwargs: dict, spec: Spec, epoch: int,
-                position: int, roots: data_paths.DataRoots = data_paths.ANYWHERE,
+                position: int, roots: data_roots.DataRoots = data_roots.ANYWHERE,
                 alive: Alive | None = None) -> Any:
   """What the pipeline returns for this shard at ``(epoch, position)``; its files only
   beneath ``roots`` (its tenant's data roots, in a pool); a glob it walks stops once
@@ -143,7 +143,7 @@ def open_source(entry: registry_lib.Entry, kwargs: dict, spec: Spec, epoch: int,
     return entry.fn(ctx, **kwargs)
 
 
-def allowing(roots: data_paths.DataRoots) -> contextlib.AbstractContextManager[None]:
+def allowing(roots: data_roots.DataRoots) -> contextlib.AbstractContextManager[None]:
   """While a pipeline opens: a function it looks up by a name from its arguments (a
   client's) is one its tenant may run (``roots.functions``, its allowlist)."""
   if roots.functions is None:
@@ -323,7 +323,7 @@ def map_steps(n: int, spec: Spec) -> Iterator[tuple[int, int]]:
 
 
 def length(entry: registry_lib.Entry, kwargs: dict, spec: Spec,
-           roots: data_paths.DataRoots = data_paths.ANYWHERE,
+           roots: data_roots.DataRoots = data_roots.ANYWHERE,
            alive: Alive | None = None) -> int | None:
   """Global batches of the feed from its start state to its end: known for a
   ``grain.MapDataset`` read for ``num_epochs``, else None (an iterable, or forever)."""
@@ -338,7 +338,7 @@ def length(entry: registry_lib.Entry, kwargs: dict, spec: Spec,
 
 def produce(entry: registry_lib.Entry, kwargs: dict, spec: Spec, alloc: Alloc,
             make_workers: Callable[[], Any] | None = None, check: Check | None = None,
-            roots: data_paths.DataRoots = data_paths.ANYWHERE, alive: Alive | None = None
+            roots: data_roots.DataRoots = data_roots.ANYWHERE, alive: Alive | None = None
             ) -> Generator[tuple[Batch, dict[str, Any], float], None, None]:
   """Yields ``(batch, state after it, seconds spent producing it)`` per step.
 
@@ -369,7 +369,7 @@ def produce(entry: registry_lib.Entry, kwargs: dict, spec: Spec, alloc: Alloc,
 
 
 def data_identity(entry: registry_lib.Entry, kwargs: dict, spec: Spec,
-                  roots: data_paths.DataRoots = data_paths.ANYWHERE,
+                  roots: data_roots.DataRoots = data_roots.ANYWHERE,
                   alive: Alive | None = None) -> str | None:
   """What names the data the pipeline reads (``@sidecar.pipeline(identity=...)``), checked
   against the state the feed resumes from: InvalidArgumentError naming both where that
@@ -454,7 +454,7 @@ def _from_map_workers(ds: MapDataset, name: str, spec: Spec, alloc: Alloc, make_
 
 def _from_iterable(source: Any, entry: registry_lib.Entry, kwargs: dict, spec: Spec,
                    alloc: Alloc, check: Check | None = None,
-                   roots: data_paths.DataRoots = data_paths.ANYWHERE,
+                   roots: data_roots.DataRoots = data_roots.ANYWHERE,
                    alive: Alive | None = None):
   _check_kind(spec, "iter", entry.name)
   epoch, position = int(spec.start.get("epoch", 0)), int(spec.start.get("position", 0))

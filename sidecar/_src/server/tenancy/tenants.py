@@ -32,7 +32,7 @@ from typing import Any
 from sidecar._src.arena import shm
 from sidecar._src.core import errors, paths
 from sidecar._src.server.tenancy import quotas as quotas_lib
-from sidecar._src.user import data_paths
+from sidecar._src.user import data_roots
 
 # The client name of a session of the pool's operator token (``operator_token_file``): no
 # tenant's name can be it (names are letters, digits, '.', '_' and '-').
@@ -186,18 +186,18 @@ class Pool:
                          "may be; keep data outside the sidecar's checkpoint roots, or in "
                          "the tenant's own checkpoint_roots")
 
-  def data_roots(self, name: str | None) -> data_paths.DataRoots:
+  def data_roots(self, name: str | None) -> data_roots.DataRoots:
     """Where tenant ``name``'s pipelines may read: anywhere outside a pool file, its data
     roots in one (none: a name that is no tenant's), which functions they may name in
     their arguments (its ``functions`` allowlist), and how many files they may hold open
     (its ``open_files``, else its share by weight of ``quotas.open_files_total()``)."""
     if not self.quotas:
-      return data_paths.ANYWHERE
+      return data_roots.ANYWHERE
     t = self.by_name().get(name) if name is not None else None
     functions = () if t is None else None if t.functions is None else tuple(sorted(t.functions))
     files = None if t is None else quotas_lib.OPEN_FILES.limit(
         t, self, total=quotas_lib.open_files_total())
-    return data_paths.DataRoots(roots=t.data_roots if t is not None else (),
+    return data_roots.DataRoots(roots=t.data_roots if t is not None else (),
                                 tenant=name or "", where=self.where(t) if t else str(self.path),
                                 functions=functions,
                                 open_files=files.most if files else None,
@@ -425,11 +425,11 @@ class Tenancy:
       return self._own_key
     return hashlib.sha256(b"sidecar-metrics-id\0" + t.token.encode()).digest()
 
-  def data_roots(self, tenant: str | None) -> data_paths.DataRoots:
+  def data_roots(self, tenant: str | None) -> data_roots.DataRoots:
     """Where ``tenant``'s pipelines may read, in the pool in force (``Pool.data_roots``)."""
     with self._lock:
       pool = self._pool
-    return pool.data_roots(tenant) if pool is not None else data_paths.ANYWHERE
+    return pool.data_roots(tenant) if pool is not None else data_roots.ANYWHERE
 
   # feeds
   @contextlib.contextmanager

@@ -210,7 +210,7 @@ class WorkerListener:
       tenant = self._attach_tenant(message, cred)
       claimed = _claimed_pid(message.get("pid"))  # InvalidArgumentError: impossible
       pid = _verified_pid(cred)
-      peer = tenants_lib.ReplicaAttach.parse(message.get("token")) is not None
+      replica_link = tenants_lib.ReplicaAttach.parse(message.get("token")) is not None
       counts.enter_context(self._counted(tenant))  # ResourceExhaustedError: all taken
       reply = self._hello(message)  # raises VersionMismatchError on skew
       session = "w-" + secrets.token_hex(16)  # a capability: it names the blocks it may use
@@ -219,7 +219,7 @@ class WorkerListener:
           return
         self._tenancy.add_worker(session, tenant)
         self._sessions[session] = conn
-        if peer:
+        if replica_link:
           self._replica_sessions.add(session)
         self._pids[session] = pid
       self.steps.attach(session, pid=pid, tenant=tenant,
@@ -269,12 +269,12 @@ class WorkerListener:
         self._connections.pop(conn, None)
 
   def _attach_tenant(self, message: dict[str, Any], cred: ipc.Ucred | None) -> str | None:
-    """The tenant an attaching worker is: its token's (or its user's), or the one a peer
-    sidecar's replica link names with the peer token (``tenants.ReplicaAttach``).
+    """The tenant an attaching worker is: its token's (or its user's), or the one another
+    sidecar's replica link names with the replica token (``tenants.ReplicaAttach``).
 
     Raises:
-      AuthenticationError: no tenant's token (with a pool file); a peer link whose peer
-        token is not this sidecar's, or whose tenant is none of the pool's.
+      AuthenticationError: no tenant's token (with a pool file); a replica link whose
+        replica token is not this sidecar's, or whose tenant is none of the pool's.
     """
     # The user the kernel says the worker runs as.
     return self._tenancy.worker_tenant(message.get("token"), None if cred is None else cred.uid)

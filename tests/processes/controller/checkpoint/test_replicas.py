@@ -9,7 +9,7 @@ import pytest
 
 import sidecar
 from sidecar._src.controller import status as status_lib
-from sidecar._src.controller.checkpoint import restore as checkpoint_restore
+from sidecar._src.controller.checkpoint import shard_reads as checkpoint_restore
 from sidecar._src.core import errors
 from sidecar._src.server.checkpoint.faults import FAULT_ENV
 from tests.conftest import arena_mappers, eventually, shm_entries

@@ -226,10 +226,10 @@ def test_a_replica_is_checked_against_its_senders_crc32c_and_a_resend_replaces_i
     receive(channel, metadata, replica(directory, second, crc32c=12345))
   assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
   assert "does not match the crc32c its sender computed (12345)" in info.value.details()
-  assert held_replicas(server, directory) == {} and not server.checkpoints.tier.replicas
+  assert held_replicas(server, directory) == {} and not server.checkpoints.tier.replicas()
   assert receive(channel, metadata, replica(directory, first)).nbytes == first.nbytes
   assert receive(channel, metadata, replica(directory, second)).nbytes == second.nbytes
-  (record,) = server.checkpoints.tier.replicas.values()
+  (record,) = server.checkpoints.tier.replicas()
   np.testing.assert_array_equal(record.shards[ShardId(("w",), ((0, 1024),))], second)  # the resend
   channel.close()
 

@@ -75,7 +75,7 @@ def test_inline_stages_share_the_sidecars_budget_of_inline_bytes(make_server, tm
     directory = str(tmp_path / "ck2")
     staged = stage(client, directory, BIG)
     assert staged.staged_bytes == BIG
-    final = server.checkpoints.tier.steps[f"{directory}/1/default"]
+    final = server.checkpoints.tier.find(f"{directory}/1/default")
     (shard,) = final.shards.values()
     np.testing.assert_array_equal(shard, np.arange(BIG, dtype=np.uint8))
   finally:

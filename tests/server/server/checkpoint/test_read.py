@@ -22,7 +22,7 @@ N = 1 << 14
 
 def zero_ram_copy(server, ctl, final_dir: str) -> None:
   """Zeroes every byte of step ``final_dir``'s RAM-tier shards through ``ctl``'s Worker."""
-  step = server.checkpoints.tier.steps[final_dir]
+  step = server.checkpoints.tier.find(final_dir)
   base = server.arena.buffer.ctypes.data
   mapped = ctl.worker(0).arena.buffer  # the Worker's own mapping of the whole arena
   for data in step.shards.values():
@@ -103,7 +103,7 @@ def test_a_restored_array_written_in_place_leaves_the_ram_copy_as_it_was(saved):
   assert ckpt.last_restore_stats().shards == {"ram:host0": 1}
   assert mapping_of(got.ctypes.data) == ("rw-p", ARENA_FILE)  # no copy: copy-on-write
   got[:] = -1  # the caller's own pages from here on
-  step = server.checkpoints.tier.steps[str(directory / "1" / "default")]
+  step = server.checkpoints.tier.find(str(directory / "1" / "default"))
   np.testing.assert_array_equal(next(iter(step.shards.values())).view(np.float32), w)
   back = ckpt.restore(1, target={"w": np.zeros(N, np.float32)})["w"]
   assert ckpt.last_restore_stats().shards == {"ram:host0": 1}

@@ -104,8 +104,8 @@ def test_replicate_dials_only_the_sidecars_own_hosts(make_server, tmp_path):
         final_dir=str(directory / "2" / "default"), hosts=[1 - source]),
         metadata=raw.metadata, timeout=30)
     assert list(reply.peers) == [1 - source]
-    held = servers[1 - source].checkpoints.tier.replicas
-    assert [r.source for r in held.values()] == [source]
+    held = servers[1 - source].checkpoints.tier.replicas()
+    assert [r.source for r in held] == [source]
     raw.close()
   finally:
     attacker.stop(grace=None)
@@ -203,7 +203,7 @@ def test_a_refused_link_says_it_is_the_sidecars_own(make_server, tmp_path):
   assert "the sidecars' own replica link (host 1's worker socket" in error.details()
   assert "tenant 'bob', which is not in this sidecar's pool" in error.details()
   assert "SIDECAR_TOKEN" not in error.details()
-  assert not servers[1].checkpoints.tier.replicas
+  assert not servers[1].checkpoints.tier.replicas()
 
 
 def test_a_replica_is_received_only_for_the_tenant_its_link_attached_for(make_server, tmp_path):
@@ -225,12 +225,12 @@ def test_a_replica_is_received_only_for_the_tenant_its_link_attached_for(make_se
         r"the replica's header is for tenant 'alice', but its blocks come over a worker "
         r"session the sending sidecar attached for tenant 'bob'")):
       link.send(header, [shard], timeout=10)
-    assert not server.checkpoints.tier.replicas
+    assert not server.checkpoints.tier.replicas()
     link.tenant = "bob"
     bobs = dataclasses.replace(header, directory=str(tmp_path / "bob" / "ck"),
                                final_dir=str(tmp_path / "bob" / "ck" / "1" / "default"))
     assert link.send(bobs, [shard], timeout=10) == data.nbytes
-  assert [r.source for r in server.checkpoints.tier.replicas.values()] == [7]
+  assert [r.source for r in server.checkpoints.tier.replicas()] == [7]
 
 
 def test_only_the_job_s_sidecars_take_part_in_the_agreement_on_a_step(make_server, tmp_path):

@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from sidecar._src.ckptfmt import spec as spec_lib
+from sidecar._src.ckptfmt import direct_io, spec as spec_lib
 from sidecar._src.ckptfmt.orbax import files
 from sidecar._src.core import errors
 
@@ -72,13 +72,13 @@ def test_write_text_makes_its_directory_and_replaces_the_file(tmp_path):
   files.write_text(path, "first, longer text")
   files.write_text(path, "second")
   assert path.read_text() == "second"
-  files.fsync_dir(path.parent)
+  direct_io.fsync_dir(path.parent)
 
 
 def test_fsync_dir_wants_a_directory(tmp_path):
   (tmp_path / "f").write_text("")
   with pytest.raises(NotADirectoryError):
-    files.fsync_dir(tmp_path / "f")
+    direct_io.fsync_dir(tmp_path / "f")
   with pytest.raises(FileNotFoundError):
-    files.fsync_dir(tmp_path / "missing")
+    direct_io.fsync_dir(tmp_path / "missing")
   assert os.listdir(tmp_path) == ["f"]

@@ -9,7 +9,11 @@ import numpy as np
 import pytest
 
 from sidecar._src.ckptfmt import registry as formats_lib
-from sidecar._src.controller.checkpoint import checkpointer as checkpointer_lib
+from sidecar._src.controller.checkpoint import (
+  checkpointer as checkpointer_lib,
+  orbax_items,
+  rollback,
+)
 from sidecar._src.controller.checkpoint.options import CheckpointOptions
 from sidecar._src.controller.checkpoint.save_protocol import Target
 from sidecar._src.controller.checkpoint.sidecars import SidecarsSnapshot
@@ -63,7 +67,7 @@ def test_a_save_after_a_skipped_one_agrees_on_its_own_step_in_every_process():
 
 def rollbacks_in_two_processes(fake):
   """Each of two processes saves step 1 (its writes held: not durable) and rolls back to
-  the step taken over (``checkpointer.restore_taken_over``); their answers."""
+  the step taken over (``rollback.restore_taken_over``); their answers."""
   store, outcomes, latest = {}, [None, None], ["?", "?"]
   both = threading.Barrier(2)
 
@@ -71,7 +75,7 @@ def rollbacks_in_two_processes(fake):
     with checkpointer(fake, hosts=[0, 1], local=[p], peers=DictPeers(store, p, 2)) as ckpt:
       ckpt.save(1, {"x": np.full(3, 7, np.float32)}, data_state={"at": 1})
       try:
-        got = checkpointer_lib.restore_taken_over(ckpt, {"x": np.zeros(3, np.float32)})
+        got = rollback.restore_taken_over(ckpt, {"x": np.zeros(3, np.float32)})
         outcomes[p] = got if got is None else (got[0], got[1]["x"].tolist(), got[2])
         latest[p] = ckpt.latest_step()
         both.wait(30)  # neither lets the writes go before both rolled back
@@ -201,7 +205,7 @@ class SlowReplicas(FakeSidecars):
 
 def test_close_joins_an_older_saves_finisher_still_settling_its_replication():
   """With replicas, save 1's finisher waits for its replication after durable, while
-  save 2 runs: it was no longer the SaveCoordinator's, and close() did not wait for it."""
+  save 2 runs: it was no longer the SaveRunner's, and close() did not wait for it."""
   fake = SlowReplicas(hosts=(0, 1))
   ckpt = checkpointer(fake, hosts=[0, 1], replicas=1)
   assert ckpt.save(1, {"x": np.ones(3, np.float32)}).durable.result(30) == 1
@@ -329,13 +333,28 @@ def test_an_orbax_managers_item_through_the_integrations_seam():
   fake, state = FakeSidecars(), {"w": np.arange(6, dtype=np.float32)}
   with checkpointer(fake) as ckpt:
     target = item_target(3)
-    assert checkpointer_lib.save_item(ckpt, target, state).durable.result(30) == 3
-    checkpointer_lib.item_committed(ckpt, target)
+    assert orbax_items.save_item(ckpt, target, state).durable.result(30) == 3
+    orbax_items.item_committed(ckpt, target)
     assert (0, "/ckpt/run/3/state") in [(h, d) for h, d, *_ in fake.told]
     assert ckpt.all_steps() == []  # the manager lists its steps, not this checkpointer
-    restored = checkpointer_lib.restore_item(ckpt, "/ckpt/run/3/state", 3,
-                                             {"w": np.zeros(6, np.float32)})
+    restored = orbax_items.restore_item(ckpt, "/ckpt/run/3/state", 3,
+                                        {"w": np.zeros(6, np.float32)})
     np.testing.assert_array_equal(restored["w"], state["w"])
+
+
+def test_an_orbax_managers_item_is_saved_on_the_live_hosts_a_loss_leaves():
+  """Issue 69: an Orbax manager's item follows the controller's live hosts as save()
+  does: once host 2 is seen lost, the next item is saved on hosts 0 and 1 only (before,
+  it was addressed to the dead host 2 and failed)."""
+  fake, watch = FakeSidecars(hosts=(0, 1, 2)), [0, 1, 2]
+  state = {"x": np.full(3, 1, np.float32)}
+  with checkpointer(fake, live=lambda: tuple(watch)) as ckpt:
+    assert orbax_items.save_item(ckpt, item_target(1), state).durable.result(30) == 1
+    fake.hosts.remove(2)  # its sidecar dies, and the watch sees it
+    watch.remove(2)
+    fake.calls.clear()
+    assert orbax_items.save_item(ckpt, item_target(2), state).durable.result(30) == 2
+    assert {h for _, h in fake.calls} == {0, 1} and ("stage", 1) in fake.calls
 
 
 def test_the_orbax_managers_old_doors_warn_and_still_work():

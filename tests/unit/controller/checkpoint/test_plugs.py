@@ -1,4 +1,4 @@
-"""Tier 1: the key-value agreement's saves (plugs.SaveCoordinator) through the one Checkpointer
+"""Tier 1: the key-value driver's saves (plugs.SaveRunner) through the one Checkpointer
 (fakes, threads as processes, no sockets): what save() does while the trainer waits (no rpc
 but the copies'), and a failure's kind and host across the trainer processes."""
 

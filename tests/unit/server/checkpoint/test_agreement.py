@@ -24,6 +24,7 @@ from sidecar._src.server.checkpoint import (
   roots as roots_lib,
   save as checkpoint_save,
 )
+from sidecar._src.server.checkpoint.step import Takeover
 from tests.conftest import eventually
 from tests.support.staged import staged
 
@@ -69,7 +70,7 @@ class Host:
     t.start()
 
   def committing(self):
-    return [s.step for s in self.tier.steps.values() if s.commit_pending]
+    return [s.step for s in self.tier.steps(lambda s: s.takeover is Takeover.PENDING)]
 
 
 class Links:
@@ -146,7 +147,7 @@ def test_two_hosts_commit_a_step_whose_trainers_died_once_it_was_staged(job, tmp
   reopen.join(30)
   assert steps == [STEP]
   assert eventually(lambda: [h.committing() for h in hosts] == [[], []], timeout=30)
-  assert all(h.tier.steps[final].committed for h in hosts)  # both RAM tiers hold it
+  assert all(h.tier.find(final).committed for h in hosts)  # both RAM tiers hold it
   with open(os.path.join(final, records.MANIFEST_FILE)) as f:
     manifest = json.load(f)
   assert manifest["data_state"] == {"batch": 9}
@@ -185,7 +186,7 @@ def test_a_host_whose_sidecar_dies_before_its_part_is_written_leaves_the_step_un
   fmt.gates[0].set()  # host 1's part is never written
   with pytest.raises(errors.HostLostError, match="host 1's sidecar is gone before its part"):
     hosts[0].agreements.await_commit(os.path.realpath(tmp_dir), STEP, "trainer", 30)
-  assert hosts[0].committing() == [] and final not in hosts[0].tier.steps  # its part let go
+  assert hosts[0].committing() == [] and hosts[0].tier.find(final) is None  # its part let go
   assert hosts[0].writer.open(directory) == []
   assert os.listdir(directory) == []  # swept
 
@@ -201,7 +202,7 @@ def test_hosts_of_a_committer_that_died_let_their_part_go(job, tmp_path):
   hosts[0].closed.set()
   fmt.gates[1].set()
   assert eventually(lambda: hosts[1].committing() == [], timeout=30)
-  assert final not in hosts[1].tier.steps  # its trainers gone: its blocks go back now
+  assert hosts[1].tier.find(final) is None  # its trainers gone: its blocks go back now
 
 
 def test_a_part_never_whole_with_its_trainers_gone_is_abandoned_and_refused_later(
@@ -233,7 +234,7 @@ def test_one_host_commits_a_step_whose_trainer_died_and_refuses_the_trainers_com
   fmt.gates[0].set()
   assert hosts[0].agreements.await_commit(os.path.realpath(tmp_dir), STEP, "trainer",
                                           30) == str(tmp_path / "ck" / str(STEP))
-  assert hosts[0].tier.steps[final].committed and hosts[0].committing() == []
+  assert hosts[0].tier.find(final).committed and hosts[0].committing() == []
   with pytest.raises(errors.PermissionDeniedError, match="this session staged"):
     hosts[0].agreements.await_commit(os.path.realpath(tmp_dir), STEP, "another", 30)
 

@@ -41,11 +41,7 @@ def tier(arena):
 
 
 def forget_all(tier):
-  with tier.lock:
-    for own in tier.steps.values():
-      own.drop()
-    tier.steps.clear()
-    tier.replicas.clear()
+  tier.clear()
 
 
 def staged(arena, nbytes=KB) -> np.ndarray:
@@ -66,8 +62,7 @@ def add_step(tier, arena, step, *, blocks=1, directory=D, committed=False, done=
   (``done``), committed or not, or one still being written."""
   shards = {ShardId(("w",), ((i, i + 1),)): staged(arena) for i in range(blocks)}
   own = make_step(directory, step, item(step, directory), shards, written=done)
-  with tier.lock:
-    tier.add(own)
+  tier.add(own)
   if committed:
     tier.mark_committed(own.final_dir)
   return own
@@ -81,7 +76,12 @@ def add_replica(tier, arena, step, source, *, blocks=1, whole=True, committed=Fa
     replica.mark_whole()
   if committed:
     replica.commit()
-  tier.replicas[(item(step), source)] = replica
+  tier.hold_replica(replica)
+
+
+def replica_of(tier, final_dir, source):
+  (replica,) = tier.replicas(lambda r: r.final_dir == final_dir and r.source == source)
+  return replica
 
 
 def commit(tier, arena, step, **kw):
@@ -95,12 +95,12 @@ def used_blocks(arena) -> int:
 
 
 def test_the_newest_ram_steps_stay_and_the_rest_go_back_to_the_arena(tier, arena):
-  tier.ram_steps[D] = (2, None)
+  tier.configure(D, 2, None)
   assert [commit(tier, arena, s) for s in (1, 2, 3)] == [[1], [1, 2], [2, 3]]
-  assert [s.phase for s in tier.steps.values()] == [step_lib.Phase.COMMITTED] * 2
+  assert [s.phase for s in tier.steps()] == [step_lib.Phase.COMMITTED] * 2
   assert used_blocks(arena) == 2
-  assert sorted(s.step for s in tier.steps.values()) == [2, 3]
-  assert tier.committed_dirs == {item(1): False, item(2): True, item(3): True}
+  assert sorted(s.step for s in tier.steps()) == [2, 3]
+  assert tier.committed_items() == {item(1): False, item(2): True, item(3): True}
 
 
 def test_a_directory_never_opened_keeps_one_step(tier, arena):
@@ -116,14 +116,14 @@ def test_the_budget_edge(tier, arena, budget, kept):
   """Newest first, a step stays if its bytes fit what the steps kept so far leave of
   the budget; one that does not fit goes, even the one just committed, and an older,
   smaller one may still stay."""
-  tier.ram_steps[D] = (5, budget)
+  tier.configure(D, 5, budget)
   commit(tier, arena, 3, blocks=1)
   assert commit(tier, arena, 4, blocks=2) == kept
   assert used_blocks(arena) == sum({3: 1, 4: 2}[s] for s in kept)
 
 
 def test_replicas_count_toward_the_budget_and_leave_with_their_step(tier, arena):
-  tier.ram_steps[D] = (2, 4 * KB)
+  tier.configure(D, 2, 4 * KB)
   add_replica(tier, arena, 1, source=2)
   assert commit(tier, arena, 1) == [1]  # own + host 2's replica: 2 blocks
   add_replica(tier, arena, 2, source=2)
@@ -131,55 +131,52 @@ def test_replicas_count_toward_the_budget_and_leave_with_their_step(tier, arena)
   add_replica(tier, arena, 3, source=2)
   add_replica(tier, arena, 3, source=3)
   assert commit(tier, arena, 3) == [3]  # 3 blocks; with step 2's 2 it would not fit
-  assert sorted(tier.replicas) == [(item(3), 2), (item(3), 3)]
-  assert tier.committed_dirs == {item(1): False, item(2): False, item(3): True}
+  assert sorted((r.final_dir, r.source) for r in tier.replicas()) == [(item(3), 2), (item(3), 3)]
+  assert tier.committed_items() == {item(1): False, item(2): False, item(3): True}
   assert used_blocks(arena) == 3
 
 
 def test_a_step_held_only_as_a_replica_is_committed_and_kept(tier, arena):
-  tier.ram_steps[D] = (1, None)
+  tier.configure(D, 1, None)
   add_replica(tier, arena, 7, source=1)
   assert tier.mark_committed(item(7)) == [7]
-  assert tier.replicas[(item(7), 1)].committed
+  assert replica_of(tier, item(7), 1).committed
   assert tier.held(D) == Held({}, {item(7): {1: (ShardId(("w",), ((0, 1),)),)}})
 
 
 def test_a_step_this_host_never_held_is_not_recorded(tier):
   assert tier.mark_committed(item(5)) == []
-  assert tier.committed_dirs == {}
+  assert tier.committed_items() == {}
 
 
 def test_an_evicted_step_is_marked_gone_for_its_late_replicas(tier, arena):
   """A peer's replica that becomes whole after its step was committed here learns the
   step's fate from committed_dirs: False once the step left the RAM tier, so the
   replica is dropped, not kept for a step deleted since (checkpoint_replication)."""
-  tier.ram_steps[D] = (1, None)
+  tier.configure(D, 1, None)
   commit(tier, arena, 1)
   commit(tier, arena, 2)
-  assert tier.committed_dirs[item(1)] is False
-  with tier.lock:
-    tier.drop(D, 2)  # forget: max_to_keep deleted it
-  assert tier.committed_dirs[item(2)] is False
-  assert tier.steps == {} and used_blocks(arena) == 0
+  assert tier.committed_items()[item(1)] is False
+  tier.drop(D, 2)  # forget: max_to_keep deleted it
+  assert tier.committed_items()[item(2)] is False
+  assert tier.steps() == [] and used_blocks(arena) == 0
 
 
 def test_drop_cancels_the_replication_of_a_dropped_step(tier, arena):
   commit(tier, arena, 1)
-  own = tier.steps[item(1)]
+  own = tier.find(item(1))
   job, made = own.start_replication(
       lambda: step_lib.Replication([ReplicaTarget(host_id=1, address="127.0.0.1:1")]))
   assert made and job.receivers[0].host_id == 1
-  with tier.lock:
-    tier.drop(D, 1)
+  tier.drop(D, 1)
   assert job.cancelled and used_blocks(arena) == 0 and own.phase is step_lib.Phase.DROPPED
 
 
 def test_drop_keeps_uncommitted_steps_and_other_directories(tier, arena):
   add_step(tier, arena, 1)  # written, commit not yet in
   add_step(tier, arena, 1, directory="/ck/other", committed=True)
-  with tier.lock:
-    tier.drop(D, 1)
-  assert sorted(tier.steps) == ["/ck/other/1/default", item(1)]
+  tier.drop(D, 1)
+  assert sorted(s.final_dir for s in tier.steps()) == ["/ck/other/1/default", item(1)]
 
 
 def test_steps_whose_commit_never_comes_expire_and_free_their_blocks(arena, caplog):
@@ -187,7 +184,7 @@ def test_steps_whose_commit_never_comes_expire_and_free_their_blocks(arena, capl
   add_step(tier, arena, 1, blocks=2)  # written, never committed
   add_step(tier, arena, 2, done=False)  # still being written: never expires
   add_step(tier, arena, 3, committed=True)
-  stale = tier.steps[item(1)]
+  stale = tier.find(item(1))
   job, _ = stale.start_replication(lambda: step_lib.Replication([]))
   with caplog.at_level(logging.WARNING, logger="sidecar._src.server.checkpoint.ram_tier"):
     assert tier.expire_uncommitted() == [1]
@@ -195,7 +192,7 @@ def test_steps_whose_commit_never_comes_expire_and_free_their_blocks(arena, capl
   assert ("never committed (the controller that staged it is gone?): its "
           f"{shm.format_size(2 * KB)} are freed") in caplog.text
   assert job.cancelled and stale.shards == {} and stale.phase is step_lib.Phase.DROPPED
-  assert sorted(s.step for s in tier.steps.values()) == [2, 3]
+  assert sorted(s.step for s in tier.steps()) == [2, 3]
   assert used_blocks(arena) == 2  # the step is still referenced here; its blocks are not
   assert tier.expire_uncommitted() == []
   forget_all(tier)
@@ -210,12 +207,12 @@ def test_step_at_names_the_host_and_the_item(tier, arena):
 
 
 def test_status_and_usage_say_what_is_held_and_written(tier, arena):
-  tier.ram_steps[D] = (3, None)
+  tier.configure(D, 3, None)
   commit(tier, arena, 1, blocks=2)
   add_step(tier, arena, 2)  # written, commit not yet in
   add_step(tier, arena, 3, blocks=3, done=False).count_written(KB)
   add_replica(tier, arena, 1, source=2)
-  tier.replicas[(item(1), 2)].commit()
+  replica_of(tier, item(1), 2).commit()
   add_replica(tier, arena, 0, source=2, committed=True)
   add_replica(tier, arena, 1, source=3, whole=False, committed=True)  # still arriving
   [status] = tier.status()
@@ -230,7 +227,7 @@ def test_status_and_usage_say_what_is_held_and_written(tier, arena):
   # Steps the sidecars took over are committing until their end is known here, written
   # or not, and never counted as uncommitted meanwhile.
   for step in (2, 3):
-    tier.steps[item(step)].take_over()
+    tier.find(item(step)).take_over()
   [status] = tier.status()
   assert (list(status.committing), list(status.uncommitted), list(status.writing)) == (
       [2, 3], [], [3])
@@ -246,19 +243,19 @@ def test_a_groups_directories_keep_their_newest_commits_within_its_budget(arena)
   tier = ram_tier.RamTier(0, uncommitted_s=3600.0, group_budget=budgets.get)
   other = "/ck/other"
   for directory, group in ((D, "alice"), ("/ck/alice2", "alice"), (other, "bob")):
-    tier.groups[directory] = group
-    tier.ram_steps[directory] = (5, None)
+    tier.set_group(directory, group)
+    tier.configure(directory, 5, None)
   try:
     assert commit(tier, arena, 1) == [1]
     assert commit(tier, arena, 9, directory=other, blocks=4) == [9]  # bob: no budget
     add_replica(tier, arena, 2, source=1)
     assert commit(tier, arena, 2) == [1, 2]  # own shard and replica: 3 KB in all
     assert commit(tier, arena, 5, directory="/ck/alice2") == [5]  # step 1 goes for it
-    assert sorted((s.directory, s.step) for s in tier.steps.values()) == [
+    assert sorted((s.directory, s.step) for s in tier.steps()) == [
         ("/ck/alice2", 5), (other, 9), (D, 2)]
     assert tier.group_use() == {"alice": (0, 3 * KB), "bob": (0, 4 * KB)}
     assert commit(tier, arena, 3, blocks=4) == [2]  # larger than the budget: never kept
-    assert tier.committed_dirs[item(3)] is False
+    assert tier.committed_items()[item(3)] is False
     assert used_blocks(arena) == 3 + 4
     add_step(tier, arena, 4, committed=False, done=False)  # a save in progress
     assert tier.group_use()["alice"] == (1, 3 * KB)
@@ -274,7 +271,7 @@ def test_a_commit_told_of_a_step_not_written_here_leaves_it(tier, arena, caplog)
   with caplog.at_level(logging.INFO, logger="sidecar._src.server.checkpoint.ram_tier"):
     assert tier.mark_committed(item(1)) == []
   assert "told it is committed while staged here; left as it is" in caplog.text
-  assert own.phase is step_lib.Phase.STAGED and tier.steps[item(1)] is own
+  assert own.phase is step_lib.Phase.STAGED and tier.find(item(1)) is own
   own.end_write([])
   assert tier.mark_committed(item(1)) == [1] and own.committed
 
@@ -299,3 +296,127 @@ def test_a_replica_is_assembled_made_whole_and_replaces_the_one_held(tier, arena
   assert new.whole and new.committed and new.replaces is None and list(new.shards) == [key]
   with pytest.raises(TypeError):
     new.shards[key] = entry[0]  # a read-only view
+
+
+# ---- the tier behind its methods: queries and commands, its lock its own ------------
+
+
+def test_its_maps_and_its_lock_are_its_own(tier):
+  """Nothing outside reads or writes what it holds, or takes its lock: only methods."""
+  assert [n for n in vars(tier) if not n.startswith("_")] == ["host_id", "uncommitted_s"]
+  assert not hasattr(tier, "lock")
+
+
+def test_queries_find_steps_by_item_tmp_dir_and_state(tier, arena):
+  uncommitted = add_step(tier, arena, 1)  # written, commit not yet in
+  writing = add_step(tier, arena, 2, done=False)
+  committed = add_step(tier, arena, 3, committed=True)
+  pending = add_step(tier, arena, 4)
+  pending.take_over()  # the sidecars commit it
+  other = add_step(tier, arena, 5, directory="/ck/other", done=False)
+  assert tier.find(item(1)) is uncommitted and tier.find(item(9)) is None
+  assert tier.find_tmp(f"{item(2)}.tmp") is writing and tier.find_tmp(item(2)) is None
+  assert tier.holds(committed) and not tier.holds(make_step(D, 3, item(3), {}))
+  assert tier.in_flight(D) == [writing, pending] and tier.in_flight() == [writing, pending,
+                                                                          other]
+  assert tier.writing() == [writing, other]
+  assert tier.pending_commits(D) == [pending] and tier.pending_commits("/ck/other") == []
+  assert tier.steps(lambda s: s.committed) == [committed]
+  add_replica(tier, arena, 3, source=2, committed=True)
+  (replica,) = tier.replicas()
+  assert tier.copies_of(item(3)) == [committed, replica] and tier.copies_of(item(8)) == []
+  assert tier.replica_with(item(3), ShardId(("w",), ((0, 1),))) is replica
+  assert tier.replica_with(item(3), ShardId(("w",), ((1, 2),))) is None
+
+
+def test_a_slot_checks_and_holds_a_step_in_one_look(tier, arena):
+  """A Stage's look at an item: the tier's lock is held for the block (nothing else looks
+  meanwhile), and a new step held there drops the one before it."""
+  old = add_step(tier, arena, 1)  # its write ended: a save of the step again replaces it
+  with tier.slot(item(1)) as slot:
+    assert slot.step is old
+    assert tier.look(lambda held: held, timeout=0) is None  # its lock is held: no one else looks
+    new = make_step(D, 1, item(1), {}, written=False, staged=False)
+    slot.hold(new)
+    assert slot.step is new
+  assert tier.find(item(1)) is new and old.phase is step_lib.Phase.DROPPED
+  with tier.slot(item(2)) as slot:
+    assert slot.step is None
+  assert tier.look(lambda held: held, timeout=0) is not None
+
+
+def test_replicas_are_received_replaced_and_discarded_by_its_commands(tier, arena):
+  key = ShardId(("w",), ((0, 1),))
+  first = tier.open_replica(D, 1, item(1), 2)  # received: held at once, not whole
+  assert tier.replicas() == [first]
+  tier.discard_partial(first)  # its stream broke
+  assert tier.replicas() == []
+  first = tier.open_replica(D, 1, item(1), 2)
+  tier.add_replica_shard(first, key, staged(arena))
+  assert tier.replica_whole(first) and tier.replicas() == [first] and first.whole
+  tier.mark_committed(item(1))
+  again = tier.open_replica(D, 1, item(1), 2)  # sent again: replaces the whole one once whole
+  assert again.replaces is first and tier.replicas() == [first]
+  tier.discard_partial(again)  # not held: the whole one stays
+  assert tier.replicas() == [first]
+  entry = tier.replica_piece(again, key, lambda: staged(arena))
+  assert tier.replica_piece_received(again, key, entry, KB)
+  tier.add_replica_shard(again, key, entry[0])
+  assert tier.replica_whole(again) and tier.replicas() == [again] and again.committed
+  tier.discard_partial(again)  # whole: it stays
+  assert tier.replicas() == [again]
+  tier.drop(D, 1)  # its step is forgotten: a replica of it arriving late is dropped then
+  late = tier.open_replica(D, 1, item(1), 3)
+  tier.add_replica_shard(late, key, staged(arena))
+  assert tier.replica_whole(late) and tier.replicas() == [] and late.committed
+  assert tier.committed_items() == {item(1): False}
+
+
+def test_a_replica_held_in_place_replaces_any_of_its_step_and_source(tier, arena):
+  add_replica(tier, arena, 1, source=2)
+  (old,) = tier.replicas()
+  new = ram_tier.Replica(D, 1, item(1), 2)
+  tier.hold_replica(new)
+  assert tier.replicas() == [new] and old is not new
+
+
+def test_a_directory_s_ram_steps_and_group_are_configured_by_command(arena):
+  tier = ram_tier.RamTier(0, uncommitted_s=3600.0, group_budget={"alice": 10 * KB}.get)
+  assert tier.ram_steps_of(D) == (1, None)  # one step, no budget, until configured
+  tier.configure(D, 2, 4 * KB)
+  assert tier.ram_steps_of(D) == (2, 4 * KB)
+  tier.set_group(D, "alice")
+  assert [commit(tier, arena, s) for s in (1, 2, 3)] == [[1], [1, 2], [2, 3]]
+  assert tier.group_use() == {"alice": (0, 2 * KB)}
+  tier.configure(D, 0, None)  # reopened with ram_steps=0: its copies go at once
+  assert tier.evict(D) == [] and tier.steps() == [] and used_blocks(arena) == 0
+
+
+def test_it_gives_way_in_one_look_and_releases_a_client_s_directories(tier, arena):
+  tier.configure(D, 5, None)
+  for step in (1, 2):
+    commit(tier, arena, step)
+  add_step(tier, arena, 3)  # not committed: never released
+  commit(tier, arena, 4, directory="/ck/other")
+  seen = []
+
+  def choose(held):
+    seen.append((sorted(s.step for s in held.steps), held.commits, held.group_of(D)))
+    return [(D, 1)]
+
+  assert tier.give_way(choose)
+  assert seen == [([1, 2, 3, 4], (item(1), item(2), "/ck/other/4/default"), None)]
+  assert sorted(s.step for s in tier.steps()) == [2, 3, 4]
+  with tier.slot(item(9)):  # busy: nothing is chosen
+    assert not tier.give_way(lambda held: pytest.fail("chose while busy"), timeout=0)
+  assert tier.release(lambda d: d == D) == 1  # step 2; step 3 is not committed
+  assert sorted(s.step for s in tier.steps()) == [3, 4]
+
+
+def test_a_manifest_is_kept_with_the_step_and_its_replicas(tier, arena):
+  own = add_step(tier, arena, 1, committed=True)
+  add_replica(tier, arena, 1, source=2, committed=True)
+  manifest = object()  # kept as it is, never read here
+  tier.keep_manifest(item(1), manifest)
+  assert [c.manifest for c in tier.copies_of(item(1))] == [manifest, manifest]
+  assert own.manifest is manifest

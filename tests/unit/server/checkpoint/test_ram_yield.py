@@ -38,8 +38,7 @@ def add_step(arena, tier, step, *, blocks=1, directory=D, committed=False, done=
         block.offset, KB,
         lambda b=block, p=pin: leases.release(b.offset, b.generation, p))
   own = make_step(directory, step, item(step, directory), shards, written=done)
-  with tier.lock:
-    tier.add(own)
+  tier.add(own)
   if committed:
     tier.mark_committed(own.final_dir)
 
@@ -70,23 +69,19 @@ def setup():
   leases = Leases(shm.Allocator(arena.size), reclaim=yielding.reclaim,
                   holds=lambda tenant: yielding.describe())
   yield (arena, leases), tier, yielding, recorder, spare
-  with tier.lock:
-    for own in tier.steps.values():
-      own.drop()
-    tier.steps.clear()
-    tier.replicas.clear()
+  tier.clear()
   assert leases.allocator.used_bytes == 0, "a staged block was never freed"
   arena.close()
 
 
 def steps_held(tier) -> list[tuple[str, int]]:
-  return sorted((s.directory, s.step) for s in tier.steps.values())
+  return sorted((s.directory, s.step) for s in tier.steps())
 
 
 def test_a_full_arena_evicts_durable_copies_oldest_commit_first(setup):
   arena, tier, _, recorder, _ = setup
-  tier.ram_steps[D] = (5, None)
-  tier.ram_steps["/ck/b"] = (5, None)
+  tier.configure(D, 5, None)
+  tier.configure("/ck/b", 5, None)
   commit(tier, arena, 2, blocks=BLOCKS // 4)
   commit(tier, arena, 1, blocks=BLOCKS // 4, directory="/ck/b")
   commit(tier, arena, 3, blocks=BLOCKS // 2)  # the arena is full now
@@ -99,7 +94,7 @@ def test_a_full_arena_evicts_durable_copies_oldest_commit_first(setup):
 
 def test_ram_steps_and_ram_budget_keep_copies_while_memory_is_free_reserve_nothing(setup):
   arena, tier, _, _, _ = setup
-  tier.ram_steps[D] = (10, 1 << 30)  # keep 10 steps within 1 GiB: more than the arena
+  tier.configure(D, 10, 1 << 30)  # keep 10 steps within 1 GiB: more than the arena
   commit(tier, arena, 1, blocks=BLOCKS // 2)
   assert commit(tier, arena, 2, blocks=BLOCKS // 2) == [1, 2]  # both kept: memory is free
   leases = arena[1]
@@ -110,7 +105,7 @@ def test_ram_steps_and_ram_budget_keep_copies_while_memory_is_free_reserve_nothi
 
 def test_only_as_much_as_is_missing_goes(setup):
   arena, tier, yielding, _, _ = setup
-  tier.ram_steps[D] = (5, None)
+  tier.configure(D, 5, None)
   for step in (1, 2, 3):
     commit(tier, arena, step, blocks=BLOCKS // 4)
   assert yielding.reclaim(KB) == BLOCKS // 4 * KB
@@ -128,15 +123,15 @@ def test_a_step_not_durable_yet_never_goes_and_the_error_says_it_holds_the_arena
   assert f"{D} step 4 (512.0 KiB, being written: not durable yet, kept)" in message
   assert "/ck/b step 5 (508.0 KiB, waiting for its commit: not durable yet, kept)" in message
   assert "raise --shm-size" in message
-  assert len(tier.steps) == 2 and recorder.evicted == []
+  assert len(tier.steps()) == 2 and recorder.evicted == []
   assert yielding.reclaim(BLOCKS * KB) == 0
 
 
 def test_a_pool_tenants_own_copies_go_first_then_others_beyond_their_guarantee(setup):
   arena, tier, yielding, _, spare = setup
   for directory, group in (("/ck/alice", "alice"), ("/ck/bob", "bob"), ("/ck/carol", "carol")):
-    tier.groups[directory] = group
-    tier.ram_steps[directory] = (5, None)
+    tier.set_group(directory, group)
+    tier.configure(directory, 5, None)
   quarter = BLOCKS // 4 * KB
   commit(tier, arena, 1, blocks=BLOCKS // 4, directory="/ck/bob")  # the oldest
   commit(tier, arena, 2, blocks=BLOCKS // 4, directory="/ck/carol")
@@ -150,7 +145,7 @@ def test_a_pool_tenants_own_copies_go_first_then_others_beyond_their_guarantee(s
 
 def test_an_operator_drops_durable_copies_and_the_rest_are_reported(setup):
   arena, tier, yielding, recorder, _ = setup
-  tier.ram_steps[D] = (5, None)
+  tier.configure(D, 5, None)
   commit(tier, arena, 1)
   commit(tier, arena, 2)
   add_step(arena, tier, 3, done=False)
@@ -166,17 +161,17 @@ def test_an_operator_drops_durable_copies_and_the_rest_are_reported(setup):
 def test_describe_lists_every_directory_and_state(setup):
   arena, tier, yielding, _, _ = setup
   assert yielding.describe() == "no RAM-tier steps"
-  tier.ram_steps[D] = (5, None)
+  tier.configure(D, 5, None)
   commit(tier, arena, 1)
   commit(tier, arena, 2)
   assert yielding.describe() == (
       f"RAM-tier steps: {D} steps 1, 2 (8.0 KiB, durable, still read or held elsewhere)")
-  assert item(1) in tier.steps
+  assert tier.find(item(1)) is not None
 
 
 def test_describe_names_only_the_directories_the_asking_client_may_see(setup):
   arena, tier, yielding, _, _ = setup
-  tier.ram_steps[D] = (5, None)
+  tier.configure(D, 5, None)
   commit(tier, arena, 1)
   add_step(arena, tier, 2, directory="/ck/bob", done=False)
   commit(tier, arena, 3, directory="/ck/carol")

@@ -102,7 +102,7 @@ def test_parts_are_written_as_they_come_and_two_writers_make_one_step(make_write
   assert engine.first.wait(30)  # written before the rest is staged
   assert engine.seen == [(0, ((0, 2), (0, 2)))]
   stage([shard(0, ((2, 4), (0, 2)), 2.0)], True, "a")
-  assert not tier.steps[final].whole  # the other process's last part is due
+  assert tier.find(final).phase is step_lib.Phase.STAGING  # the other process's last part is due
   assert stage([shard(1, ((0, 3),), 7)], True, "b") == 16 + 16 + 12
   sums = writer.prepared(final, timeout=30)
   assert sorted((c.key_path, c.index, c.host) for c in sums) == [
@@ -140,11 +140,11 @@ def test_abort_stops_a_writer_waiting_for_parts_and_lets_the_blocks_go(make_writ
   part = [shard(0, ((0, 2), (0, 2)), 1.0)]
   writer.stage(directory, 5, tmp_dir, final, SPECS, part, last=False, owner="a")
   assert engine.first.wait(30)
-  own = tier.steps[final]
+  own = tier.find(final)
   writer.abort(os.path.dirname(tmp_dir), final)
-  assert own.write_ended and isinstance(own.error, errors.ClosedError)
+  assert own.wait_written(0) and isinstance(own.error, errors.ClosedError)
   assert own.phase is step_lib.Phase.DROPPED  # aborted mid-write: its write's end recorded
-  assert final not in tier.steps and own.shards == {}
+  assert tier.find(final) is None and own.shards == {}
   assert os.listdir(directory) == []
 
 
@@ -174,7 +174,7 @@ def test_a_shard_of_a_leaf_the_step_lacks_is_refused_and_nothing_is_staged(make_
     writer.stage(directory, 7, tmp_dir, final, SPECS,
                  [shard(1, ((0, 3),), 1), staged(("c",), 2, ((0, 1),), np.zeros(1))], last=False,
                  owner="a")
-  assert tier.steps[final].shards == {} and tier.steps[final].nbytes == 0
+  assert tier.find(final).shards == {} and tier.find(final).nbytes == 0
   writer.abort(os.path.dirname(tmp_dir), final)
 
 
@@ -194,7 +194,7 @@ def test_a_record_that_names_another_shard_is_refused(make_writer, tmp_path, bad
   with pytest.raises(errors.InvalidArgumentError, match=match):
     writer.stage(directory, 7, tmp_dir, final, SPECS, [shard(0, ((0, 2), (0, 2)), 1), bad],
                  last=False, owner="a")
-  assert tier.steps[final].shards == {} and tier.steps[final].nbytes == 0
+  assert tier.find(final).shards == {} and tier.find(final).nbytes == 0
   writer.abort(os.path.dirname(tmp_dir), final)
 
 

@@ -12,8 +12,8 @@ import pytest
 
 from sidecar._src.ckptfmt.records import ReplicaTarget, Replicated, ShardId
 from sidecar._src.core import errors
-from sidecar._src.server.checkpoint import step as step_lib
-from sidecar._src.server.checkpoint.step import Phase, StateError
+from sidecar._src.server.checkpoint import ram_tier, step as step_lib
+from sidecar._src.server.checkpoint.step import Phase, StateError, Takeover
 from tests.support.ram_steps import AsStaged, make_step, shards_of
 
 pytestmark = pytest.mark.unit
@@ -33,18 +33,18 @@ def fresh(writers: int = 1) -> step_lib.Step:
 
 def test_a_step_goes_staging_staged_written_committed_dropped():
   own = fresh()
-  assert own.phase is Phase.STAGING and not own.whole
+  assert own.phase is Phase.STAGING and not own.wait_whole(0)
   assert not own.take("a", None, shards_of(shard(0)), last=False, writers=1)
   assert own.phase is Phase.STAGING and own.nbytes == 16
   assert own.take("a", None, shards_of(shard(1)), last=True, writers=1)
-  assert own.phase is Phase.STAGED and own.whole and own.owners == {"a"}
+  assert own.phase is Phase.STAGED and own.wait_whole(0) and own.owners == {"a"}
   arrived = list(own.arrivals(0.0))  # the writer's: every shard, then the end
   assert [s.record.id for s in arrived] == [*shard(0), *shard(1)]
   assert list(own.shards) == [*shard(0), *shard(1)]  # one map: records and bytes together
   np.testing.assert_array_equal(own.shards[ShardId(("w",), ((1, 2),))], np.full(4, 1))
   own.count_written(32)
   own.end_write([s.record for s in arrived])
-  assert own.phase is Phase.WRITTEN and own.write_ended and own.wait_written(0)
+  assert own.phase is Phase.WRITTEN and own.wait_written(0)
   assert own.written == 32 and own.error is None and len(own.written_records) == 2
   own.commit()
   own.commit()  # told again (the sidecars' commit, then the trainers'): nothing more
@@ -65,7 +65,7 @@ def test_two_writers_make_it_whole_only_with_both_last_parts():
 def test_a_failed_write_is_failed_then_dropped(last):
   own = make_step(D, 1, FINAL, shard(0), written=False, staged=last)
   own.end_write(error=OSError(28, "No space left on device"))
-  assert own.phase is Phase.FAILED and isinstance(own.error, OSError) and own.write_ended
+  assert own.phase is Phase.FAILED and isinstance(own.error, OSError) and own.wait_written(0)
   with pytest.raises(StateError, match=r"step 1 at '/ck/run/1/default' is failed: it cannot "
                                        r"become committed \(only from written\)"):
     own.commit()
@@ -130,27 +130,36 @@ def test_a_transition_from_a_phase_it_does_not_leave_raises(phase, move, match):
 
 def test_a_step_taken_over_is_pending_until_its_agreement_ends():
   own = make_step(D, 1, FINAL, shard(0), written=False)
-  assert not own.taken_over and not own.commit_pending and own.wait_agreed(0)
+  assert own.takeover is Takeover.NONE and own.wait_agreed(0)
   own.take_over()
-  assert own.taken_over and own.commit_pending and not own.wait_agreed(0)
+  assert own.takeover is Takeover.PENDING and not own.wait_agreed(0)
   with pytest.raises(StateError, match="taken over already"):
     own.take_over()
   own.end_agreement()  # committed or abandoned by the sidecars
-  assert not own.commit_pending and own.wait_agreed(0)
+  assert own.takeover is Takeover.ENDED and own.wait_agreed(0)
 
 
 def test_a_refused_takeover_leaves_it_as_before():
   own = make_step(D, 1, FINAL, shard(0))
   own.take_over()
   own.refuse_takeover()
-  assert not own.taken_over and not own.commit_pending
+  assert own.takeover is Takeover.NONE
 
 
-def test_its_commit_ends_its_agreement():
+def test_its_commit_in_the_ram_tier_ends_its_agreement_not_its_commit_alone():
+  """Committing a step ends no agreement as a side effect: the RAM tier, told the step is
+  committed (its trainers' Committed, or the sidecars' commit), ends it beside."""
   own = make_step(D, 1, FINAL, shard(0))
   own.take_over()
-  own.commit()  # its trainers told it (Committed)
-  assert own.committed and not own.commit_pending
+  own.commit()
+  assert own.committed and own.takeover is Takeover.PENDING
+  again = make_step(D, 2, FINAL + "2", shard(0))
+  again.take_over()
+  tier = ram_tier.RamTier(0, uncommitted_s=3600.0)
+  tier.add(again)
+  tier.mark_committed(again.final_dir)  # its trainers told it (Committed)
+  assert again.committed and again.takeover is Takeover.ENDED and again.wait_agreed(0)
+  tier.clear()
 
 
 def test_a_replication_starts_once_and_a_drop_cancels_it():
@@ -188,4 +197,4 @@ def test_a_write_ends_once_even_racing_a_drop():
     go.wait()
     own.drop()
     t.join()
-    assert own.phase is Phase.DROPPED and own.write_ended and own.error is None
+    assert own.phase is Phase.DROPPED and own.wait_written(0) and own.error is None

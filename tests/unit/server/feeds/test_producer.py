@@ -159,7 +159,7 @@ def test_a_pipeline_that_names_its_data_has_it_in_every_state_and_refuses_other_
 def test_a_glob_the_pipeline_walks_as_it_opens_stops_once_its_client_is_gone(tmp_path):
   """The feed's ``alive`` reaches the pipeline's glob as it opens (``produce(alive=)``): a
   client gone stops the walk, typed, before the pipeline returns (issue 70, item 2)."""
-  from sidecar._src.user import data_paths
+  from sidecar._src.user import data_roots
   for i in range(3):
     (tmp_path / f"d{i}").mkdir()
     (tmp_path / f"d{i}" / "x.bin").write_bytes(b"x")
@@ -170,7 +170,7 @@ def test_a_glob_the_pipeline_walks_as_it_opens_stops_once_its_client_is_gone(tmp
                        shard_index=0, shard_count=1, start={}, workers=0)
   entry = registry_lib.Entry(kind=registry_lib.PIPELINE, name="p", fn=pipeline, code_hash="",
                              signature=None)
-  roots = data_paths.DataRoots(roots=(str(tmp_path),), tenant="bob", where="pool.yaml:3")
+  roots = data_roots.DataRoots(roots=(str(tmp_path),), tenant="bob", where="pool.yaml:3")
   alloc = lambda shape, dtype: np.zeros(shape, dtype)
   with pytest.raises(sidecar.ClosedError, match="the feed's client is gone"):
     next(producer.produce(entry, {}, spec, alloc, roots=roots, alive=lambda: False))

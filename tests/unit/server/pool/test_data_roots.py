@@ -8,7 +8,7 @@ import pytest
 from sidecar._src.core import errors
 from sidecar._src.server.pool import pool_file
 from sidecar._src.server.tenancy import tenants as tenants_lib
-from sidecar._src.user import data_paths
+from sidecar._src.user import data_roots
 
 pytestmark = pytest.mark.unit
 
@@ -35,15 +35,15 @@ def test_data_roots_default_to_the_checkpoint_roots_and_else_to_none(tmp_path):
   assert bob.data_roots == (f"{real}/ck/bob",)
   assert carol.data_roots == ()
   roots = pool.data_roots("bob")
-  assert roots == data_paths.DataRoots(roots=(f"{real}/ck/bob",), tenant="bob",
+  assert roots == data_roots.DataRoots(roots=(f"{real}/ck/bob",), tenant="bob",
                                        where=f"{tmp_path}/pool.yaml:3",
                                        open_files=roots.open_files,
                                        open_files_why=roots.open_files_why)
   assert roots.open_files is not None  # its share of the sidecar's descriptors
   assert pool.data_roots("carol").roots == () and pool.data_roots(None).roots == ()
   # Outside a pool file (one shared token, per-client tokens): anywhere, as before.
-  assert tenants_lib.Pool.shared("t").data_roots("") is data_paths.ANYWHERE
-  assert tenants_lib.Pool.clients((("a", "t"),)).data_roots("a") is data_paths.ANYWHERE
+  assert tenants_lib.Pool.shared("t").data_roots("") is data_roots.ANYWHERE
+  assert tenants_lib.Pool.clients((("a", "t"),)).data_roots("a") is data_roots.ANYWHERE
 
 
 @pytest.mark.parametrize(("alice", "bob", "match"), [
