@@ -20,7 +20,6 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from sidecar._src.controller import display
 from sidecar._src.tools import cli_format, cli_types
 
 # TenantStatus fields read if the sidecar has them (None otherwise): feed batches made,
@@ -174,6 +173,7 @@ def watch(addresses: Sequence[str], *, interval: float, timeout: float, token: s
     rows, unreachable, answered = fetched
     return (format_table(rows, previous[0] if previous else None, seconds, answered=answered)
             + "".join(f"\nunreachable: {line}" for line in unreachable))
+  from sidecar._src.controller import display  # grpc: loaded by the command that runs
   return display.redraw("sidecar pool status", lambda: _fetch(addresses, timeout, token),
                         screen, interval=interval, out=out, refreshes=refreshes)
 
