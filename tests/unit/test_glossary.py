@@ -46,6 +46,7 @@ SAME = {
     "peer": frozenset({
         "_peers",
         "controller/checkpoint/checkpointer.py:peers",
+        "controller/checkpoint/coordination.py:peers",
         "controller/checkpoint/fallback.py:peers",
         "controller/checkpoint/holds.py:peers",
         "controller/checkpoint/plugs.py:peers",

@@ -109,6 +109,15 @@ class Format(abc.ABC):
   def create_tmp(self, directory: str, step: int) -> pathlib.Path:
     """Creates (anew) the directory ``step`` of ``directory`` is written into."""
 
+  def begin_tmp(self, directory: str, step: int) -> tuple[pathlib.Path, Callable[[], None]]:
+    """:meth:`create_tmp` in two halves: makes the directory now (anew, refusing what
+    :meth:`create_tmp` refuses), and returns it with what finishes it, to run later: the
+    files of the step's own that only this host writes, any time before the commit (a
+    Stage that begins its step leaves them to the step's writer thread, off the trainer's
+    wait). What another host writes its part into is made now: it is told to once this
+    returned. This default makes all of it now."""
+    return self.create_tmp(directory, step), lambda: None
+
   @abc.abstractmethod
   def tmp_of(self, directory: str, step: int) -> str:
     """Where :meth:`create_tmp` would create it, made of ``directory`` as given (the

@@ -3,7 +3,7 @@ work unchanged with ``storage_writer=StorageWriter(path)`` / ``storage_reader=St
 
 Thin adapters over the core's checkpoint protocol: a save is one of the core's
 ``controller/checkpoint/save_run.SaveRun``, whose methods DCP's hooks call, with DCP's
-coordinator rank as the coordination between the ranks (``save_run.Coordinator``); a restore
+coordinator rank as the coordination between the ranks (``coordination.Coordinator``); a restore
 is the core's tier fallback (``shard_reads.ShardReads``).
 
 A save stalls each rank for one copy of its tensors into its node's sidecar's arena
@@ -60,9 +60,10 @@ from sidecar._src.ckptfmt.registry import DCP
 from sidecar._src.ckptfmt.tiers import Tier
 from sidecar._src.controller import controller as core
 from sidecar._src.controller.checkpoint import staging
+from sidecar._src.controller.checkpoint.coordination import Coordinator
 from sidecar._src.controller.checkpoint.options import CheckpointOptions, options_or
 from sidecar._src.controller.checkpoint.save_protocol import SaveProtocol, Target
-from sidecar._src.controller.checkpoint.save_run import Coordinator, Ending, SaveRun
+from sidecar._src.controller.checkpoint.save_run import Ending, SaveRun
 from sidecar._src.controller.checkpoint.shard_reads import ShardReads, Source, warn_unchecked
 from sidecar._src.controller.checkpoint.sidecars import SidecarsSnapshot
 from sidecar._src.controller.checkpoint.staging import ShardCopy, allocate, copy_in

@@ -1,7 +1,9 @@
 """Committing a step: the tmp directory, the checks, the metadata files, one rename.
 
 :func:`create_tmp_step` makes ``<step>.orbax-checkpoint-tmp`` with its
-``_CHECKPOINT_METADATA``; once every host wrote its part, :func:`finalize` checks every
+``_CHECKPOINT_METADATA`` (in two halves, :func:`make_tmp_step` and
+:func:`write_tmp_metadata`, where a sidecar leaves the second to the step's writer
+thread); once every host wrote its part, :func:`finalize` checks every
 chunk is there, writes the item's ``_sharding``, ``_METADATA`` and
 ``commit_success.txt``, fsyncs the directories and renames the step into place.
 """
@@ -47,16 +49,37 @@ def create_tmp_step(directory: os.PathLike | str, step: int) -> pathlib.Path:
   Raises:
     FileExistsError: the step is already committed.
   """
+  tmp = make_tmp_step(directory, step)
+  write_tmp_metadata(tmp, time.time_ns())
+  return tmp
+
+
+def make_tmp_step(directory: os.PathLike | str, step: int) -> pathlib.Path:
+  """:func:`create_tmp_step`'s directory alone (anew), without its metadata file
+  (:func:`write_tmp_metadata`): what the other hosts write their parts into once told.
+
+  Raises:
+    FileExistsError: the step is already committed, or its directory was made meanwhile
+      by another process (between the removal of a leftover and the ``mkdir``).
+  """
   final = pathlib.Path(directory) / str(int(step))
   if final.exists():
     raise FileExistsError(f"step {step} is already committed at {final}")
   tmp = tmp_step_path(directory, step)
   shutil.rmtree(tmp, ignore_errors=True)
   tmp.mkdir(parents=True)
-  # Not fsynced (0.3-4 ms of a Begin, which save() waits for): :func:`finalize` writes
-  # it again, synced, before the rename; a step never committed is swept anyway.
-  _write_step_metadata(tmp, sync=False, init_timestamp_nsecs=time.time_ns())
   return tmp
+
+
+def write_tmp_metadata(tmp: pathlib.Path, init_timestamp_nsecs: int) -> None:
+  """The ``_CHECKPOINT_METADATA`` of the uncommitted step ``tmp`` (made by
+  :func:`make_tmp_step` at ``init_timestamp_nsecs``), which only the host that made it
+  writes, any time before :func:`finalize`.
+
+  Not fsynced (0.3-4 ms of a Begin, which save() waits for): :func:`finalize` writes it
+  again, synced, before the rename; a step never committed is swept anyway.
+  """
+  _write_step_metadata(tmp, sync=False, init_timestamp_nsecs=init_timestamp_nsecs)
 
 
 def finalize(tmp_step_dir: os.PathLike | str, leaves: Sequence[LeafSpec], *,

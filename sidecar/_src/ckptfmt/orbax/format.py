@@ -11,7 +11,9 @@ none of them.
 
 from __future__ import annotations
 
+import functools
 import pathlib
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
@@ -73,6 +75,11 @@ class OrbaxFormat(Format):
 
   def create_tmp(self, directory: str, step: int) -> pathlib.Path:
     return orbax_commit.create_tmp_step(directory, step)
+
+  def begin_tmp(self, directory: str, step: int) -> tuple[pathlib.Path, Callable[[], None]]:
+    # The step's _CHECKPOINT_METADATA later: no other host writes it, finalize reads it.
+    tmp = orbax_commit.make_tmp_step(directory, step)
+    return tmp, functools.partial(orbax_commit.write_tmp_metadata, tmp, time.time_ns())
 
   def tmp_of(self, directory: str, step: int) -> str:
     return str(tmp_step_path(directory, step))

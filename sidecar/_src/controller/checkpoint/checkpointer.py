@@ -32,19 +32,14 @@ from sidecar._src.arena import shm
 from sidecar._src.ckptfmt.spec import KeyPath
 from sidecar._src.controller import display, elastic as elastic_lib
 from sidecar._src.controller.checkpoint import fallback as fallback_lib, holds, ram_drop
+from sidecar._src.controller.checkpoint.coordination import same_step_any_busy
 from sidecar._src.controller.checkpoint.options import CheckpointOptions
 from sidecar._src.controller.checkpoint.plugs import Driver, Setup, key_value_driver
 from sidecar._src.controller.checkpoint.restore import RestoreStats
 from sidecar._src.controller.checkpoint.retention import Retention
 from sidecar._src.controller.checkpoint.save_failures import SaveFailures
 from sidecar._src.controller.checkpoint.save_protocol import Target
-from sidecar._src.controller.checkpoint.save_run import (
-  Durable,
-  Ending,
-  SaveHandle,
-  done_handle,
-  same_step_any_busy,
-)
+from sidecar._src.controller.checkpoint.save_run import Durable, Ending, SaveHandle, done_handle
 from sidecar._src.controller.checkpoint.sidecars import SidecarsSnapshot, replica_hosts
 from sidecar._src.controller.framework import Framework
 from sidecar._src.controller.peers import Peers

@@ -84,12 +84,44 @@ class _Call:
         timeout=self._deadline - time.monotonic(),
         what=f"checkpoint rpc {self._method} on host {self._host}")
 
+  def run(self) -> None:
+    """:meth:`send` where its caller waits for the answer at once: on this thread, a
+    blocking call (no thread of gRPC's started to wait for the answer, none to hand it
+    over: a Stage that begins its step, which ``save()`` waits for). On the main thread,
+    which Ctrl-C must be able to leave, as :meth:`send`. A busy host is asked again as
+    :meth:`send` does (``out`` then resolves later)."""
+    if threading.current_thread() is threading.main_thread():
+      self.send()
+      return
+    window = self._conn.checkpoint_calls
+    timeout = self._deadline - time.monotonic()
+    try:
+      if not window.enter(timeout):
+        raise window.waited_too_long(
+            f"checkpoint rpc {self._method} on host {self._host}", timeout)
+    except Exception as e:  # closed
+      self.fail(e)
+      return
+    try:
+      conn = self._conn
+      answer = _Answer(getattr(conn.checkpoint, self._method), self._request,
+                       max(self._deadline - time.monotonic(), 0.0), conn.metadata)
+    except Exception as e:
+      if isinstance(e, ValueError) and window.closed:  # gRPC: "Channel closed!"
+        e = errors.ClosedError(f"checkpoint rpc {self._method} on host {self._host} was not "
+                               "sent: the connection to it closed")
+      self.fail(e)
+      return
+    finally:
+      window.exit()
+    self._done(answer)
+
   def _start(self, left: float) -> grpc.Future:
     conn = self._conn
     return getattr(conn.checkpoint, self._method).future(self._request, timeout=left,
                                                          metadata=conn.metadata)
 
-  def _done(self, f: grpc.Future) -> None:
+  def _done(self, f: grpc.Future | _Answer) -> None:
     try:
       self.out.set_result(self._decode(f.result()))
     except grpc.RpcError as e:
@@ -129,6 +161,24 @@ class _Call:
     except concurrent.futures.InvalidStateError:
       pass
 
+
+
+class _Answer:
+  """A blocking call's answer as a finished future's ``result()`` gives it: the response,
+  or the ``grpc.RpcError`` raised."""
+
+  def __init__(self, method: Any, request: Any, timeout: float, metadata: Any):
+    self._response: Any = None
+    self._error: grpc.RpcError | None = None
+    try:
+      self._response = method(request, timeout=timeout, metadata=metadata)
+    except grpc.RpcError as e:
+      self._error = e
+
+  def result(self) -> Any:
+    if self._error is not None:
+      raise self._error
+    return self._response
 
 
 class _Retries:
@@ -346,18 +396,23 @@ class CheckpointClient(CheckpointTransport):
     return self._status() if timeout is None else self._status(timeout=timeout)
 
   def _rpc(self, host: int, method: str, request: Any, decode: Callable[[Any], Any], *,
-           timeout: float | None = None, held: list | None = None
+           timeout: float | None = None, held: list | None = None, now: bool = False
            ) -> concurrent.futures.Future:
     """Sends ``request`` to ``host``'s ``method``; a Future of ``decode(response)``.
 
     ``held``: arrays whose arena blocks the request names, kept alive until the reply
     (the sidecar then holds them itself): a block let go of sooner could be gone.
+    ``now``: the caller waits for the answer at once: off the main thread, the call is
+    made on the calling thread (``_Call.run``), the Future answered when this returns.
     """
     (host,) = self._select([host])  # HostLostError / InvalidArgumentError, raised here
     call = _Call(self._connection(host), host, method, request, decode, held,
                  time.monotonic() + (self._timeout if timeout is None else timeout),
                  self._retries)
-    call.send()
+    if now:
+      call.run()
+    else:
+      call.send()
     return call.out
 
   def open(self, host, directory, *, ram_steps, ram_budget, sweep, job="", holder=""):
@@ -386,8 +441,9 @@ class CheckpointClient(CheckpointTransport):
       wire.plan_to_pb(request.plan, plan)
     wire.format_extra_to_pb(request, extra, wire.STAGE_EXTRAS)
     wire.staged_to_pb(request, shards, w.ref_of if w is not None else None)
+    # A Stage that begins its step is waited for at once (save() waits for its answer).
     return self._rpc(host, "Stage", request, lambda r: r.staged_bytes,
-                     held=[s.data for s in shards])
+                     held=[s.data for s in shards], now=bool(begin_format))
 
   def prepared(self, host, final_dir, *, timeout):
     return self._rpc(host, "Prepared", ckpt_pb.CheckpointPreparedRequest(

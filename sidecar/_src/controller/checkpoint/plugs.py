@@ -9,15 +9,15 @@ Orbax v1's ``training.Checkpointer`` holds its policies, made from a :class:`Set
 (what it needs, handed over explicitly):
 
 - the **driver** (:class:`Driver`): who drives a save's run, how the trainer
-  processes coordinate it (its ``save_run.Coordination``) and how leaves are described,
+  processes coordinate it (its ``coordination.Coordination``) and how leaves are described,
   copied and rebuilt. :class:`KeyValueDriver` (JAX's, the numpy core's): the
   framework's shards (``controller/framework.Framework``), process 0 begins and commits,
-  the processes coordinate through their key-value store (``save_run.KeyValue``), each
+  the processes coordinate through their key-value store (``coordination.KeyValue``), each
   stages its own shards from one finisher thread (:class:`SaveRunner`, here: the
   key-value driver's saves).
   ``torch/checkpointer.DcpDriver``: DCP's planner over the state dict, through
   ``dcp.async_save`` with ``torch/storage.StorageWriter``, whose hooks drive the run
-  (``save_run.Coordinator``: DCP's own gather and scatter around ``prepare_global_plan``
+  (``coordination.Coordinator``: DCP's own gather and scatter around ``prepare_global_plan``
   and ``finish``).
 
 A plug answers by method (``mark_committed``, ``restore_from``: an Orbax manager's items,
@@ -45,10 +45,11 @@ from typing import Any
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt import registry as formats_lib, spec as spec_lib
 from sidecar._src.controller.checkpoint.client import CheckpointTransport
+from sidecar._src.controller.checkpoint.coordination import KeyValue
 from sidecar._src.controller.checkpoint.options import CheckpointOptions
 from sidecar._src.controller.checkpoint.restore import Restorer, RestoreStats
 from sidecar._src.controller.checkpoint.save_protocol import SaveProtocol, Target
-from sidecar._src.controller.checkpoint.save_run import Ending, KeyValue, SaveRun
+from sidecar._src.controller.checkpoint.save_run import Ending, SaveRun
 from sidecar._src.controller.checkpoint.sidecars import SidecarsSnapshot
 from sidecar._src.controller.checkpoint.staging import Lots, ShardCopy, allocate, copy_in
 from sidecar._src.controller.framework import Framework

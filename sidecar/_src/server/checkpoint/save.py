@@ -139,8 +139,7 @@ class StepWriter:
             "is (its write goes on)")
 
   def begin(self, directory: str, step: int, format: str = formats_lib.ORBAX,  # noqa: A002
-            owner: str = "", alive: Callable[[], bool] | None = None, *,
-            tmp_dir: str | None = None) -> str:
+            owner: str = "", alive: Callable[[], bool] | None = None) -> str:
     """Creates the step's uncommitted directory (anew), as its format (a registered name,
     ``Format.name``; the wire's Begin always names one) names it: "orbax":
     ``<directory>/<step>.orbax-checkpoint-tmp``; "dcp": ``<directory>.dcp-checkpoint-tmp``
@@ -149,11 +148,31 @@ class StepWriter:
     files): another session's from its Begin on (``Begun``), until it is committed or
     aborted or its trainer is gone (``alive``: whether the worker of the session
     ``owner`` is attached; None: not known); another checkpointer's of this session once
-    it staged.
+    it staged."""
+    made, finish = self._begin(directory, step, format, owner, alive, None)
+    try:
+      finish()
+    except BaseException:
+      self._begins.unreserve(pathlib.Path(self.tmp_of(directory, step, format)), owner)
+      raise
+    return made
 
-    ``tmp_dir``: a Stage begins the step (its first part: one round trip less), and
-    writes there, which must be where a save writes in the directory made (refused
-    before anything is made if not)."""
+  def begin_staged(self, directory: str, step: int, tmp_dir: str,
+                   format: str = formats_lib.ORBAX,  # noqa: A002
+                   owner: str = "", alive: Callable[[], bool] | None = None
+                   ) -> tuple[str, Callable[[], None]]:
+    """:meth:`begin` by a Stage (its first part: one round trip less), which writes into
+    ``tmp_dir``: that must be where a save writes in the directory made (refused before
+    anything is made if not). Returns the step's uncommitted directory, made, and what
+    finishes it (``Format.begin_tmp``): :meth:`stage` hands that to the step's writer
+    thread (``finish_tmp``), which runs it before it writes, off the trainer's wait."""
+    return self._begin(directory, step, format, owner, alive, tmp_dir)
+
+  def _begin(self, directory: str, step: int, format: str, owner: str,  # noqa: A002
+             alive: Callable[[], bool] | None, tmp_dir: str | None
+             ) -> tuple[str, Callable[[], None]]:
+    """:meth:`begin`'s checks, its record and the directory's making; returns the
+    directory and what finishes it."""
     step = roots_lib.as_int(step, "step")
     fmt = self._formats.get(format)
     tmp = pathlib.Path(self.tmp_of(directory, step, format))
@@ -165,7 +184,8 @@ class StepWriter:
           "its step stages into the directory that Begin would answer")
     self._begins.reserve(directory, step, fmt.name, tmp, owner, alive)
     try:
-      return str(fmt.create_tmp(directory, step))
+      made, finish = fmt.begin_tmp(directory, step)
+      return str(made), finish
     except BaseException as e:
       self._begins.unreserve(tmp, owner)
       if isinstance(e, FileExistsError):  # a race lost to a checkpointer that began or
@@ -232,7 +252,8 @@ class StepWriter:
             leaves: Sequence[LeafSpec], shards: list[Staged], last: bool = True,
             writers: int = 1, extra: Any = None, owner: str = "",
             plan: records.CommitPlan | None = None, worker: str = "",
-            alive: Callable[[], bool] | None = None) -> int:
+            alive: Callable[[], bool] | None = None,
+            finish_tmp: Callable[[], None] | None = None) -> int:
     """Takes shards of this host (arena views it now holds) and starts writing them.
 
     A save stages in parts, as the trainer copies (``last`` on the final one): the
@@ -254,6 +275,8 @@ class StepWriter:
     last part came with one, this host takes the step over before this call returns
     (``take_over``, which may refuse it: then this call raises). ``alive``: whether the
     trainer whose worker session ``worker`` staged this part is still there.
+    ``finish_tmp`` (a part that begins its step: :meth:`begin_staged`): what finishes the
+    step's uncommitted directory, which its writer thread runs before it writes.
     """
     step = roots_lib.as_int(step, "step")
     resolved = self._path(directory, "directory")  # each path resolved once
@@ -264,12 +287,8 @@ class StepWriter:
           f"stage: directory {directory!r:.200} is not the directory of tmp_dir's step "
           f"({str(tmp_step.parent)!r:.200}); a Stage names the checkpoint directory it "
           "opened, the one its step lies in")
-    if (extra is not None) != (fmt.stage_extra is not None) or (
-        extra is not None and not isinstance(extra, fmt.stage_extra)):  # type: ignore[arg-type]
-      raise errors.InvalidArgumentError(
-          f"stage: a Stage of a step in {fmt.name}'s layout carries "
-          f"{fmt.stage_extra.__name__ if fmt.stage_extra else 'no format extra'}, got "
-          f"{type(extra).__name__ if extra is not None else 'none'}")
+    _check_extra(extra, fmt.stage_extra, f"stage: a Stage of a step in {fmt.name}'s layout "
+                 "carries")
     if final != resolved_final:
       raise errors.InvalidArgumentError(
           f"stage: final_dir {final_dir!r:.200} is not where tmp_dir {tmp_dir!r:.200} goes once "
@@ -293,8 +312,9 @@ class StepWriter:
         phase = step_lib.Phase.STAGING
         self._spawn(functools.partial(
             write_lib.write_step, own, fmt, host_id=self._host_id, tier=self._tier,
-            metrics=self._metrics, turn=self._write_turn(owner) or direct_io.no_turn),
-            name=f"sidecar-ckpt-{step}")
+            metrics=self._metrics, turn=self._write_turn(owner) or direct_io.no_turn,
+            finish_tmp=finish_tmp), name=f"sidecar-ckpt-{step}")
+      # (else its writer ran it: a part that begins a step in flight is refused first)
       if phase is step_lib.Phase.STAGED:
         raise errors.InvalidArgumentError(
             f"stage: step {step} of {directory!r:.200} is staged already on host "
@@ -404,12 +424,7 @@ class StepWriter:
           f"{self._host_id}: another save of step {step} into this directory is in flight "
           "(another checkpointer or process); wait for that save to end, or save each step "
           "from one checkpointer")
-    if (extra is not None) != (fmt.commit_extra is not None) or (
-        extra is not None and not isinstance(extra, fmt.commit_extra)):  # type: ignore[arg-type]
-      raise errors.InvalidArgumentError(
-          f"commit: a step in {fmt.name}'s layout commits with "
-          f"{fmt.commit_extra.__name__ if fmt.commit_extra else 'no format extra'}, got "
-          f"{type(extra).__name__ if extra is not None else 'none'}")
+    _check_extra(extra, fmt.commit_extra, f"commit: a step in {fmt.name}'s layout commits with")
     manifest = Manifest.of_save(fmt.name, step=step, leaves=leaves,
                                 shards=shards, data_state_json=data_state,
                                 replicas=replicas, extras=fmt.manifest_extras(extra))
@@ -470,6 +485,17 @@ class StepWriter:
           f"other mark of a format of {self._formats.names} in it or its items); delete "
           "removes only steps a checkpoint wrote")
     _remove_dir(target)  # (another host's delete may rename it away first: gone, as asked)
+
+
+def _check_extra(extra: Any, expected: type | None, what: str) -> None:
+  """InvalidArgumentError, ``what`` the format's extra ``expected`` (its ``stage_extra``
+  or ``commit_extra``; None: it has none), unless ``extra`` is one (or is None where the
+  format has none)."""
+  if extra is None if expected is None else isinstance(extra, expected):
+    return
+  raise errors.InvalidArgumentError(
+      f"{what} {expected.__name__ if expected else 'no format extra'}, got "
+      f"{type(extra).__name__ if extra is not None else 'none'}")
 
 
 def _remove_dir(path: pathlib.Path) -> None:

@@ -298,13 +298,16 @@ class CheckpointService:
 
   def begin(self, r: ckpt_pb.CheckpointBeginRequest, context: grpc.ServicerContext
             ) -> ckpt_pb.CheckpointBeginResponse:
-    return ckpt_pb.CheckpointBeginResponse(tmp_directory=self._begin(
-        r.directory, _step(r.step), r.format, r.worker_session, context))
+    tmp, _ = self._begin(r.directory, _step(r.step), r.format, r.worker_session, context)
+    return ckpt_pb.CheckpointBeginResponse(tmp_directory=tmp)
 
   def _begin(self, directory: str, step: int, format: str, worker: str,  # noqa: A002
-             context: grpc.ServicerContext, *, tmp_dir: str | None = None) -> str:
-    """Begin's work (a Stage's that begins its step: ``tmp_dir``, where it writes, must be
-    in what this makes); returns the step's tmp directory."""
+             context: grpc.ServicerContext, *, tmp_dir: str | None = None
+             ) -> tuple[str, Callable[[], None] | None]:
+    """Begin's work; returns the step's tmp directory. A Stage's that begins its step
+    (``tmp_dir``, where it writes, must be in what this makes) returns with it what
+    finishes it, which the step's writer thread runs (``StepWriter.stage``'s
+    ``finish_tmp``), off the trainer's wait."""
     client = self._client(context)
     self._checkpoints.check_storage(client, directory, 0)
     if client is not None:  # the step's directory too (DCP's lies beside directory)
@@ -314,8 +317,11 @@ class CheckpointService:
     # The save is in flight while the trainer that began it is there: its worker's
     # connection closes as its process dies.
     alive = (lambda: self._arena_io.is_attached(worker)) if worker else None
-    return self._checkpoints.writer.begin(directory, step, format, _session(context),
-                                          alive=alive, tmp_dir=tmp_dir)
+    if tmp_dir is None:
+      return self._checkpoints.writer.begin(directory, step, format, _session(context),
+                                            alive=alive), None
+    return self._checkpoints.writer.begin_staged(directory, step, tmp_dir, format,
+                                                 _session(context), alive=alive)
 
   def stage(self, r: ckpt_pb.CheckpointStageRequest, context: grpc.ServicerContext
             ) -> ckpt_pb.CheckpointStageResponse:
@@ -327,15 +333,16 @@ class CheckpointService:
     plan = wire.plan_from_pb(r.plan, "plan") if r.HasField("plan") else None
     worker = r.worker_session  # the trainer that stages it is there while it is attached
     alive = (lambda: self._arena_io.is_attached(worker)) if worker else None
-    begun = (self._begin(r.directory, step, r.begin_format, worker, context, tmp_dir=r.tmp_dir)
-             if r.begin_format else "")  # its first part on the host that begins it
+    begun, finish_tmp = (  # its first part on the host that begins it
+        self._begin(r.directory, step, r.begin_format, worker, context, tmp_dir=r.tmp_dir)
+        if r.begin_format else ("", None))
     try:  # checked and reserved under one lock (a quota that racing parts cannot pass)
       with self._checkpoints.storage_reserved(self._client(context), r.directory,
                                               sum(s.data.nbytes for s in shards)):
         staged = self._checkpoints.writer.stage(
             r.directory, step, r.tmp_dir, r.final_dir, leaves, shards, r.last,
             writers=max(r.writers, 1), extra=extra, owner=_session(context), plan=plan,
-            worker=worker, alive=alive)
+            worker=worker, alive=alive, finish_tmp=finish_tmp)
     except BaseException:
       if begun:  # as if never begun: the trainer's abort of a failed begin removes nothing
         self._checkpoints.agreements.abort(r.final_dir)

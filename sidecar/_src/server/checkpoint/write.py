@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import time
+from collections.abc import Callable
 
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt.direct_io import Turn
@@ -35,7 +36,8 @@ LONG_WRITE_S = 3600.0
 
 
 def write_step(own: step_lib.Step, fmt: Format, *, host_id: int, tier: ram_tier.RamTier,
-               metrics: metrics_lib.Recorder, turn: Turn) -> None:
+               metrics: metrics_lib.Recorder, turn: Turn,
+               finish_tmp: Callable[[], None] | None = None) -> None:
   """The writer thread of ``own`` (this host's share of a step, in ``tier``), in ``fmt``.
 
   The bytes are written and checksummed on idle-class threads (the format's write
@@ -43,9 +45,14 @@ def write_step(own: step_lib.Step, fmt: Format, *, host_id: int, tier: ram_tier.
   feeds wherever they compete. A pool tenant's are written in its ``turn`` at the
   storage, which the tenants writing share. A write that fails before the step is whole
   (its trainer gone mid-save: nobody will commit or abort it) drops it from the tier.
+  ``finish_tmp``: finishes the step's uncommitted directory first (``Format.begin_tmp``:
+  a step begun by its first Stage, which answered without waiting for it); what it
+  raises fails the write.
   """
   t0 = time.perf_counter()
   try:
+    if finish_tmp is not None:
+      finish_tmp()
     faults.fault("write", own.step)
     faults.fault("slow", own.step)
     last_log = [time.monotonic()]

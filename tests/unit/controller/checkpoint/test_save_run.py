@@ -13,14 +13,9 @@ import pytest
 from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart, Item, ItemKind
 from sidecar._src.ckptfmt.registry import DCP, DEFAULT
 from sidecar._src.controller.checkpoint import staging
+from sidecar._src.controller.checkpoint.coordination import Coordinator, KeyValue
 from sidecar._src.controller.checkpoint.save_protocol import SaveProtocol, Target
-from sidecar._src.controller.checkpoint.save_run import (
-  Coordinator,
-  Ending,
-  KeyValue,
-  SaveHandle,
-  SaveRun,
-)
+from sidecar._src.controller.checkpoint.save_run import Ending, SaveHandle, SaveRun
 from sidecar._src.controller.peers import LocalPeers
 from sidecar._src.core import errors, interrupts
 from tests.support.fake_sidecars import FakeSidecars

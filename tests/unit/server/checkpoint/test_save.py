@@ -71,9 +71,10 @@ def make_writer(tmp_path):
     threads.append(t)
     t.start()
 
-  def make(fmt):
-    tier = ram_tier.RamTier(0, uncommitted_s=3600.0)
-    return checkpoint_save.StepWriter(0, tier=tier, roots=roots_lib.Roots(0, (str(tmp_path),)),
+  def make(fmt, host=0):
+    tier = ram_tier.RamTier(host, uncommitted_s=3600.0)
+    return checkpoint_save.StepWriter(host, tier=tier,
+                                      roots=roots_lib.Roots(host, (str(tmp_path),)),
                            spawn=spawn, metrics=metrics_lib.Recorder(),
                            formats=formats_lib.DEFAULT.replacing(fmt)), tier
 
@@ -276,6 +277,124 @@ def test_a_begin_that_loses_the_race_to_another_sidecars_begin_says_so(make_writ
     ours.begin(directory, 5, owner="a")
   assert not pending and tmp.is_dir()  # the race happened; their save's directory stands
   assert ours.begin(directory, 6, owner="a")  # and ours serves on
+
+
+class HeldFinish(Recording):
+  """The real Orbax format, the finishing of a step's directory (``begin_tmp``'s second
+  half: its ``_CHECKPOINT_METADATA``) held until ``release`` is set, then failing with
+  ``fail`` if one is given; ``finishing`` is set as it starts."""
+
+  def __init__(self, fail=None):
+    super().__init__()
+    self.release, self.finishing = threading.Event(), threading.Event()
+    self.finished_on = []  # the threads that finished a directory
+    self.fail_finishing = fail
+
+  def begin_tmp(self, directory, step):
+    tmp, finish = super().begin_tmp(directory, step)
+
+    def later():
+      self.finishing.set()
+      assert self.release.wait(30)
+      self.finished_on.append(threading.current_thread().name)
+      if self.fail_finishing is not None:
+        raise self.fail_finishing
+      finish()
+    return tmp, later
+
+
+def begun_by_stage(writer, tmp_path, step):
+  """Opens ``ck`` and begins ``step`` as a Stage that begins it does (session "a"): the
+  directory, the tmp_dir it stages into, its final_dir and what finishes the directory."""
+  directory = str(tmp_path / "ck")
+  writer.open(directory)
+  tmp_dir, final = OrbaxFormat().staged_dirs(OrbaxFormat().tmp_of(directory, step))
+  tmp_step, finish = writer.begin_staged(directory, step, tmp_dir, owner="a")
+  assert tmp_step == os.path.dirname(tmp_dir)
+  return directory, tmp_dir, final, finish
+
+
+def test_a_stage_that_begins_its_step_answers_before_its_metadata_is_written(make_writer,
+                                                                            tmp_path):
+  # Issue 69 item 5: a kept save at one round trip. The step's directory is made (anew: a
+  # dead save's leftover goes) before the Stage answers; its _CHECKPOINT_METADATA is
+  # written by the step's writer thread, before it writes: not on the Stage's answer,
+  # which the trainer's save() waits for.
+  engine = HeldFinish()
+  writer, _ = make_writer(engine)
+  directory = str(tmp_path / "ck")
+  leftover = tmp_path / "ck" / "3.orbax-checkpoint-tmp"
+  (leftover / spec_lib.ITEM).mkdir(parents=True)  # a dead save's, never committed
+  (leftover / spec_lib.ITEM / "stale").write_text("from a save that died")
+  (leftover / "_CHECKPOINT_METADATA").write_text('{"init_timestamp_nsecs": 1}')
+  directory, tmp_dir, final, finish = begun_by_stage(writer, tmp_path, 3)
+  assert os.listdir(leftover) == []  # made anew before it answers
+  whole = [shard(0, ((0, 2), (0, 2)), 1.0), shard(0, ((2, 4), (0, 2)), 2.0),
+           shard(1, ((0, 3),), 7)]
+  assert writer.stage(directory, 3, tmp_dir, final, SPECS, whole, last=True, owner="a",
+                      finish_tmp=finish) == 16 + 16 + 12
+  assert engine.finishing.wait(30)  # its writer finishes it: held, and the Stage answered
+  assert os.listdir(leftover) == [] and engine.seen == []
+  with pytest.raises(errors.PermissionDeniedError, match="being saved by another session"):
+    writer.begin(directory, 3, owner="b", alive=lambda: True)  # begun: in flight
+  engine.release.set()
+  sums = writer.prepared(final, timeout=30)
+  assert engine.finished_on == ["sidecar-ckpt-3"]
+  assert writer.commit(tmp_dir, 3, 1, SPECS, sums, "", True, owner="a") == str(
+      tmp_path / "ck" / "3")
+  assert os.listdir(directory) == ["3"]
+  assert not (tmp_path / "ck" / "3" / spec_lib.ITEM / "stale").exists()
+  meta = json.loads((tmp_path / "ck" / "3" / "_CHECKPOINT_METADATA").read_text())
+  assert 1 < meta["init_timestamp_nsecs"] <= meta["commit_timestamp_nsecs"]
+
+
+def test_a_step_begun_by_a_stage_keeps_the_parts_other_hosts_wrote_before_it_finished(
+    make_writer, tmp_path):
+  # The race that reverted the first try (96e12a9d): host 0's writer made the step's
+  # directory (rmtree, mkdir) after host 1, told it was begun, had written its part
+  # there: the step was lost. The directory is made before the Stage answers; what its
+  # writer finishes later removes nothing.
+  engine = HeldFinish()
+  ours, _ = make_writer(engine)
+  theirs, _ = make_writer(Recording(), host=1)
+  directory, tmp_dir, final, finish = begun_by_stage(ours, tmp_path, 4)
+  ours.stage(directory, 4, tmp_dir, final, SPECS, [shard(0, ((0, 2), (0, 2)), 1.0)],
+             last=True, owner="a", finish_tmp=finish)
+  assert engine.finishing.wait(30)  # held: host 0's writer has not finished it yet
+  theirs.stage(directory, 4, tmp_dir, final, SPECS,  # host 1, told the step is begun
+               [shard(0, ((2, 4), (0, 2)), 2.0), shard(1, ((0, 3),), 7)], last=True,
+               owner="a")
+  written = theirs.prepared(final, timeout=30)  # host 1's part is on storage
+  engine.release.set()
+  sums = ours.prepared(final, timeout=30) + written
+  assert ours.commit(tmp_dir, 4, 2, SPECS, sums, "", True, owner="a") == str(
+      tmp_path / "ck" / "4")
+  committed = tmp_path / "ck" / "4" / spec_lib.ITEM
+  assert sorted(os.listdir(committed / "array_metadatas")) == ["process_0", "process_1"]
+  assert sorted(os.listdir(committed / "w")) == [".zarray", "0.0", "1.0"]
+
+
+def test_a_step_whose_directory_could_not_be_finished_fails_as_a_failed_write(make_writer,
+                                                                             tmp_path):
+  # What the writer thread's finishing raises (a full disk) fails the step's write: the
+  # trainer's next save or wait raises it; nothing is committed, the abort cleans.
+  engine = HeldFinish(fail=OSError(errno.ENOSPC, "No space left on device", "meta"))
+  writer, tier = make_writer(engine)
+  directory, tmp_dir, final, finish = begun_by_stage(writer, tmp_path, 4)
+  writer.stage(directory, 4, tmp_dir, final, SPECS, [shard(1, ((0, 3),), 7)], last=True,
+               owner="a", finish_tmp=finish)
+  engine.release.set()
+  with pytest.raises(errors.CheckpointWriteError,
+                     match=r"host 0 could not write step 4: No space left on device \(ENOSPC\) "
+                           r"writing meta"):
+    writer.prepared(final, timeout=30)
+  assert engine.seen == []  # nothing written
+  with pytest.raises(errors.InvalidArgumentError, match="failed to write on host 0 "):
+    writer.commit(tmp_dir, 4, 1, SPECS, [], "", True, owner="a")
+  writer.abort(os.path.dirname(tmp_dir), final)
+  assert os.listdir(directory) == [] and tier.find(final) is None
+  engine.fail_finishing = None
+  assert writer.begin(directory, 4, owner="b")  # not in flight any more
 
 
 class Pruned(OrbaxFormat):
