@@ -163,8 +163,11 @@ class FakeSidecars(CheckpointTransport):
     assert format == ORBAX, format
     return self._phase("begin", host, f"{directory}/{step}.orbax-checkpoint-tmp")
 
-  def stage(self, host, *, directory, step, tmp_dir, final_dir, leaves, shards, last,
-            writers=1, extra=None, plan=None, begin_format=""):
+  def stage(self, host, stage):
+    directory, step, tmp_dir, final_dir = (stage.directory, stage.step, stage.tmp_dir,
+                                           stage.final_dir)
+    leaves, shards, extra, plan = stage.leaves, stage.shards, stage.extra, stage.plan
+    begin_format = stage.begin_format
     if begin_format:  # the step begun by its first part: a Begin's call and failure
       begun = self.begin(host, directory, step, format=begin_format)
       if begun.exception() is not None:

@@ -56,9 +56,9 @@ class Recording(FakeSidecars):
     self.writing.wait(30)
     return super().written(host, final_dir)
 
-  def stage(self, host, *, extra=None, **kw):
-    self.sent.append(("stage", host, extra))
-    return super().stage(host, extra=extra, **kw)
+  def stage(self, host, stage):
+    self.sent.append(("stage", host, stage.extra))
+    return super().stage(host, stage)
 
   def commit(self, host, *, extra=None, **kw):
     self.sent.append(("commit", host, extra))

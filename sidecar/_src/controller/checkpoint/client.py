@@ -28,8 +28,8 @@ from typing import Any
 import grpc
 import numpy as np
 
+from sidecar._src.ckptfmt.phases import Stage
 from sidecar._src.ckptfmt.records import (
-  CommitPlan,
   Held,
   Manifest,
   ReplicaTarget,
@@ -264,18 +264,10 @@ class CheckpointTransport(abc.ABC):
     format's name; ``"dcp"``: ``directory`` is the checkpoint's own, its tmp one beside it)."""
 
   @abc.abstractmethod
-  def stage(self, host: int, *, directory: str, step: int, tmp_dir: str, final_dir: str,
-            leaves: Sequence[LeafSpec], shards: Sequence[Staged],
-            last: bool, writers: int = 1, extra: FormatExtra | None = None,
-            plan: CommitPlan | None = None, begin_format: str = ""
-            ) -> concurrent.futures.Future:
-    """Future of the bytes of the step staged on ``host`` so far. ``writers``: how many
-    processes stage into ``host`` (each sends its own ``last``). ``extra``: the format's
-    extra (a DCP rank's items, the shards' records' ``leaf`` numbering them). ``plan``
-    (with ``last``): the sidecars commit the step themselves; the host takes it over
-    once its part is whole, before the call that made it whole answers. ``begin_format``:
-    this call begins the step first, as ``begin`` would in that format (``tmp_dir`` where
-    its save writes in what that makes): the first part on the host that begins it."""
+  def stage(self, host: int, stage: Stage) -> concurrent.futures.Future:
+    """Future of the bytes of the step staged on ``host`` so far, once it took ``stage``
+    (``ckptfmt/phases.Stage``: its fields say what each means). A ``stage`` with a
+    ``begin_format`` begins the step there first: its call is waited for at once."""
 
   @abc.abstractmethod
   def prepared(self, host: int, final_dir: str, *, timeout: float
@@ -430,20 +422,13 @@ class CheckpointClient(CheckpointTransport):
         directory=directory, step=step, format=format,
         worker_session=w.session if w is not None else ""), lambda r: r.tmp_directory)
 
-  def stage(self, host, *, directory, step, tmp_dir, final_dir, leaves, shards, last,
-            writers=1, extra=None, plan=None, begin_format=""):
+  def stage(self, host, stage):
     w = self._worker(host)
-    request = ckpt_pb.CheckpointStageRequest(
-        directory=directory, step=step, tmp_dir=tmp_dir, final_dir=final_dir,
-        leaves=[wire.leaf_to_pb(d) for d in leaves], last=last, writers=writers,
-        worker_session=w.session if w is not None else "", begin_format=begin_format)
-    if plan is not None:
-      wire.plan_to_pb(request.plan, plan)
-    wire.format_extra_to_pb(request, extra, wire.STAGE_EXTRAS)
-    wire.staged_to_pb(request, shards, w.ref_of if w is not None else None)
+    request = wire.stage_to_pb(stage, worker_session=w.session if w is not None else "",
+                               to_arena=w.ref_of if w is not None else None)
     # A Stage that begins its step is waited for at once (save() waits for its answer).
     return self._rpc(host, "Stage", request, lambda r: r.staged_bytes,
-                     held=[s.data for s in shards], now=bool(begin_format))
+                     held=[s.data for s in stage.shards], now=bool(stage.begin_format))
 
   def prepared(self, host, final_dir, *, timeout):
     return self._rpc(host, "Prepared", ckpt_pb.CheckpointPreparedRequest(

@@ -31,6 +31,7 @@ from sidecar._src.ckptfmt import direct_io, records, registry as formats_lib
 from sidecar._src.ckptfmt.direct_io import Turn
 from sidecar._src.ckptfmt.format import Format
 from sidecar._src.ckptfmt.orbax import read as orbax_read
+from sidecar._src.ckptfmt.phases import Stage
 from sidecar._src.ckptfmt.records import AgreePhase, Manifest, ShardRecord, Staged
 from sidecar._src.ckptfmt.spec import LeafSpec
 from sidecar._src.core import errors
@@ -248,13 +249,13 @@ class StepWriter:
           f"({where.committed}); nothing writes into or over a committed step")
     return fmt, str(path), str(where.final), where.tmp
 
-  def stage(self, directory: str, step: int, tmp_dir: str, final_dir: str,
-            leaves: Sequence[LeafSpec], shards: list[Staged], last: bool = True,
-            writers: int = 1, extra: Any = None, owner: str = "",
-            plan: records.CommitPlan | None = None, worker: str = "",
+  def stage(self, stage: Stage, *, owner: str = "", worker: str = "",
             alive: Callable[[], bool] | None = None,
             finish_tmp: Callable[[], None] | None = None) -> int:
-    """Takes shards of this host (arena views it now holds) and starts writing them.
+    """Takes the shards of this host a ``stage`` carries (arena views it now holds) and
+    starts writing them. ``stage`` is the trainer's, as it sent it (``ckptfmt/phases``);
+    ``owner``, ``worker``, ``alive`` and ``finish_tmp`` are what this sidecar knows of
+    the call itself.
 
     A save stages in parts, as the trainer copies (``last`` on the final one): the
     first part starts the writer, each part's shards are written as they arrive.
@@ -278,7 +279,10 @@ class StepWriter:
     ``finish_tmp`` (a part that begins its step: :meth:`begin_staged`): what finishes the
     step's uncommitted directory, which its writer thread runs before it writes.
     """
-    step = roots_lib.as_int(step, "step")
+    directory, tmp_dir, final_dir = stage.directory, stage.tmp_dir, stage.final_dir
+    leaves, shards, last, writers = stage.leaves, stage.shards, stage.last, stage.writers
+    extra, plan = stage.extra, stage.plan
+    step = roots_lib.as_int(stage.step, "step")
     resolved = self._path(directory, "directory")  # each path resolved once
     resolved_final = self._path(final_dir, "final_dir")
     fmt, tmp_dir, final, tmp_step = self._uncommitted_at(tmp_dir, "tmp_dir")
