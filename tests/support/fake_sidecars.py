@@ -220,8 +220,11 @@ class FakeSidecars(CheckpointTransport):
     return (self.leaves[final], [r for f in written for r in f.result()],
             plan.data_state_json, plan.replicas)
 
-  def commit(self, host, *, tmp_dir, step, num_hosts, leaves, shards, data_state_json,
-             whole_step, replicas, timeout, extra=None, taken_over=False):
+  def commit(self, host, commit, *, timeout):
+    tmp_dir, step, leaves, shards = commit.tmp_dir, commit.step, commit.leaves, commit.shards
+    data_state_json, whole_step, replicas = (commit.data_state_json, commit.whole_step,
+                                             commit.replicas)
+    extra, taken_over = commit.extra, commit.taken_over
     future = self._phase("commit", host, tmp_dir)
     if future.exception() is None:
       dcp = extra is not None

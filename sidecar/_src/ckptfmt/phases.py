@@ -10,18 +10,20 @@ here and its two lines in the wire module.
 
 - :class:`Stage`: a part of one host's shards of a step (its first carries the leaves
   and may begin the step; its last may carry the sidecars' :class:`CommitPlan`).
+- :class:`Commit`: the commit of a step every host wrote (or the wait for the one the
+  sidecars agree on, ``taken_over``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from sidecar._src.ckptfmt.records import CommitPlan, Staged
+from sidecar._src.ckptfmt.records import CommitPlan, ShardRecord, Staged
 from sidecar._src.ckptfmt.spec import LeafSpec
 
-__all__ = ["Stage"]
+__all__ = ["Commit", "Stage"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -54,3 +56,30 @@ class Stage:
   extra: Any = None
   plan: CommitPlan | None = None
   begin_format: str = ""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Commit:
+  """The commit of step ``step`` staged in ``tmp_dir`` on ``num_hosts`` hosts, each of
+  which wrote its part: ``shards``, every host's records, written (their crc32c set).
+
+  ``leaves``: the step's leaves. ``data_state_json``: the data position the manifest
+  records. ``whole_step``: the commit renames the whole step (False: an Orbax handler's
+  item, which its CheckpointManager commits). ``replicas``: which hosts hold each host's
+  replicas (``{host: [hosts]}``), recorded in the manifest. ``extra``: the typed commit
+  extra of the step's format, if it has one (a DCP step's ``DcpCommit``: its metadata, file
+  sizes and plan). ``taken_over``: the sidecars commit the step themselves (its Stages
+  carried a plan naming this host its committer): this waits for that commit instead
+  (no ``shards`` given).
+  """
+
+  tmp_dir: str
+  step: int
+  num_hosts: int
+  leaves: Sequence[LeafSpec]
+  shards: Sequence[ShardRecord]
+  data_state_json: str
+  whole_step: bool
+  replicas: Mapping[int, Sequence[int]] | None = None
+  extra: Any = None
+  taken_over: bool = False

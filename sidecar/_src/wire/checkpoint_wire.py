@@ -14,8 +14,10 @@ requests; :data:`STAGE_EXTRAS` and :data:`COMMIT_EXTRAS` convert them, one entry
 member (a new format adds its entries).
 
 A save's phases are ``ckptfmt/phases``' values: :func:`stage_to_pb` and
-:func:`stage_from_pb` convert a whole :class:`~sidecar._src.ckptfmt.phases.Stage`, the
-only place its fields meet the request's.
+:func:`stage_from_pb` convert a whole :class:`~sidecar._src.ckptfmt.phases.Stage`,
+:func:`commit_to_pb` and :func:`commit_from_pb` a
+:class:`~sidecar._src.ckptfmt.phases.Commit`: the only place their fields meet the
+requests'.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import numpy as np
 
 from sidecar._src.ckptfmt import names
 from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart
-from sidecar._src.ckptfmt.phases import Stage
+from sidecar._src.ckptfmt.phases import Commit, Stage
 from sidecar._src.ckptfmt.records import (
   AgreePhase,
   AgreeState,
@@ -174,6 +176,29 @@ def stage_from_pb(request: ckpt_pb.CheckpointStageRequest, from_arena: codec.Fro
   return Stage(request.directory, request.step, request.tmp_dir, request.final_dir, leaves,
                shards, request.last, max(request.writers, 1), extra, plan,
                request.begin_format)
+
+
+def commit_to_pb(commit: Commit) -> ckpt_pb.CheckpointCommitRequest:
+  """``commit`` as a Commit request."""
+  request = ckpt_pb.CheckpointCommitRequest(
+      tmp_dir=commit.tmp_dir, step=commit.step, num_hosts=commit.num_hosts,
+      leaves=[leaf_to_pb(d) for d in commit.leaves],
+      records=[record_to_pb(c) for c in commit.shards],
+      data_state_json=commit.data_state_json, whole_step=commit.whole_step,
+      taken_over=commit.taken_over)
+  format_extra_to_pb(request, commit.extra, COMMIT_EXTRAS)
+  replicas_to_pb(request.replicas, commit.replicas)
+  return request
+
+
+def commit_from_pb(request: ckpt_pb.CheckpointCommitRequest) -> Commit:
+  """A Commit request's :class:`Commit` (``replicas`` None where it names none)."""
+  leaves = [leaf_from_pb(leaf, f"leaves[{i}]") for i, leaf in enumerate(request.leaves)]
+  written = [record_from_pb(c, f"records[{i}]") for i, c in enumerate(request.records)]
+  return Commit(request.tmp_dir, request.step, request.num_hosts, leaves, written,
+                request.data_state_json, request.whole_step,
+                replicas_from_pb(request.replicas) or None,
+                format_extra_from_pb(request, COMMIT_EXTRAS), request.taken_over)
 
 
 def leaf_to_pb(s: LeafSpec) -> ckpt_pb.LeafSpec:

@@ -62,8 +62,9 @@ plan = {"storage": [{"fqn": "w", "offset": [0, 0], "path": where.relative_path,
                      "at": where.offset, "length": where.length}],
         "state": {"w": {"kind": "tensor", "dtype": "float32",
                         "chunks": [{"offsets": [0, 0], "sizes": [4, 3]}]}}}
-committed = writer.commit(tmp, 3, 1, [], sums, '{"epoch": 2}', True,
-                          extra=DcpCommit(b"\x80\x04N.", {0: size}, json.dumps(plan)), owner="a")
+committed = writer.commit(phases.Commit(tmp, 3, 1, [], sums, '{"epoch": 2}', True,
+                                        extra=DcpCommit(b"\x80\x04N.", {0: size},
+                                                        json.dumps(plan))), owner="a")
 manifest = read.info(committed)
 got = read.Reader(tier, metrics_lib.Recorder()).read(committed, manifest.shards[0], tier="disk")
 for t in threads:

@@ -29,7 +29,7 @@ import pytest
 import sidecar
 from sidecar._src.ckptfmt import records, registry as formats_lib
 from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart, Item, distcp
-from sidecar._src.ckptfmt.phases import Stage
+from sidecar._src.ckptfmt.phases import Commit, Stage
 from sidecar._src.ckptfmt.records import Staged
 from sidecar._src.ckptfmt.spec import LeafKind, LeafSpec
 from tests.support.staged import staged
@@ -113,9 +113,10 @@ def _save(client, name: str, directory: str, step: int) -> str:
                           leaves=s.leaves if first else [], shards=shards, last=last,
                           extra=s.first if first else s.rest)).result()
   sums = client.prepared(0, final_dir, timeout=30).result()
-  client.commit(0, tmp_dir=tmp_dir, step=step, num_hosts=1, leaves=s.leaves, shards=sums,
-                data_state_json=json.dumps({"step": step}), whole_step=True, replicas=None,
-                timeout=30, extra=s.commit).result()
+  client.commit(0, Commit(tmp_dir=tmp_dir, step=step, num_hosts=1, leaves=s.leaves,
+                          shards=sums, data_state_json=json.dumps({"step": step}),
+                          whole_step=True, replicas=None, extra=s.commit),
+                timeout=30).result()
   client.committed(0, final_dir).result()
   return final_dir
 

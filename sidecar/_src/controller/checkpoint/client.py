@@ -22,13 +22,13 @@ import concurrent.futures
 import functools
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
 import numpy as np
 
-from sidecar._src.ckptfmt.phases import Stage
+from sidecar._src.ckptfmt.phases import Commit, Stage
 from sidecar._src.ckptfmt.records import (
   Held,
   Manifest,
@@ -38,7 +38,6 @@ from sidecar._src.ckptfmt.records import (
   ShardRecord,
   Staged,
 )
-from sidecar._src.ckptfmt.spec import LeafSpec
 from sidecar._src.ckptfmt.tiers import Tier
 from sidecar._src.controller.checkpoint import ram_drop
 from sidecar._src.core import errors
@@ -276,16 +275,10 @@ class CheckpointTransport(abc.ABC):
     its crc32c."""
 
   @abc.abstractmethod
-  def commit(self, host: int, *, tmp_dir: str, step: int, num_hosts: int,
-             leaves: Sequence[LeafSpec], shards: Sequence[ShardRecord],
-             data_state_json: str, whole_step: bool,
-             replicas: Mapping[int, Sequence[int]] | None, timeout: float,
-             extra: FormatExtra | None = None, taken_over: bool = False
-             ) -> concurrent.futures.Future:
-    """Future of the committed directory; ``shards``: every host's, written. ``extra``: the
-    format's extra (a DCP step's pickled metadata, file sizes and plan). ``taken_over``:
-    the sidecars commit the step themselves (its Stages carried a plan naming ``host``
-    its committer): the future holds that commit, or its failure (no ``shards`` given)."""
+  def commit(self, host: int, commit: Commit, *, timeout: float) -> concurrent.futures.Future:
+    """Future of the committed directory, once ``host`` committed ``commit``
+    (``ckptfmt/phases.Commit``: its fields say what each means). With ``taken_over``, the
+    future holds the commit the sidecars agree on, or its failure."""
 
   @abc.abstractmethod
   def committed(self, host: int, final_dir: str, manifest_json: str = ""
@@ -435,16 +428,9 @@ class CheckpointClient(CheckpointTransport):
         final_dir=final_dir, timeout_s=timeout),
         lambda r: [wire.record_from_pb(c, "record") for c in r.records], timeout=timeout)
 
-  def commit(self, host, *, tmp_dir, step, num_hosts, leaves, shards, data_state_json,
-             whole_step, replicas, timeout, extra=None, taken_over=False):
-    request = ckpt_pb.CheckpointCommitRequest(
-        tmp_dir=tmp_dir, step=step, num_hosts=num_hosts,
-        leaves=[wire.leaf_to_pb(d) for d in leaves],
-        records=[wire.record_to_pb(c) for c in shards], data_state_json=data_state_json,
-        whole_step=whole_step, taken_over=taken_over)
-    wire.format_extra_to_pb(request, extra, wire.COMMIT_EXTRAS)
-    wire.replicas_to_pb(request.replicas, replicas)
-    return self._rpc(host, "Commit", request, lambda r: r.committed, timeout=timeout)
+  def commit(self, host, commit, *, timeout):
+    return self._rpc(host, "Commit", wire.commit_to_pb(commit), lambda r: r.committed,
+                     timeout=timeout)
 
   def committed(self, host, final_dir, manifest_json=""):
     return self._rpc(host, "Committed", ckpt_pb.CheckpointCommittedRequest(

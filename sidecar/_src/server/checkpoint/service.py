@@ -363,12 +363,7 @@ class CheckpointService:
               _timeout(0, context)))
     if r.num_hosts < 1:
       raise errors.InvalidArgumentError(f"num_hosts must be >= 1, got {r.num_hosts}")
-    leaves = [wire.leaf_from_pb(leaf, f"leaves[{i}]") for i, leaf in enumerate(r.leaves)]
-    written = [wire.record_from_pb(c, f"records[{i}]") for i, c in enumerate(r.records)]
-    committed = self._checkpoints.writer.commit(
-        r.tmp_dir, step, r.num_hosts, leaves, written, r.data_state_json, r.whole_step,
-        wire.replicas_from_pb(r.replicas) or None,
-        extra=wire.format_extra_from_pb(r, wire.COMMIT_EXTRAS), owner=_session(context))
+    committed = self._checkpoints.writer.commit(wire.commit_from_pb(r), owner=_session(context))
     return ckpt_pb.CheckpointCommitResponse(committed=committed)
 
   def committed(self, r: ckpt_pb.CheckpointCommittedRequest, _: grpc.ServicerContext

@@ -13,7 +13,7 @@ import pytest
 
 import sidecar
 from sidecar._src.ckptfmt import spec as spec_lib
-from sidecar._src.ckptfmt.phases import Stage
+from sidecar._src.ckptfmt.phases import Commit, Stage
 from sidecar._src.ckptfmt.records import ShardId, ShardRecord
 from sidecar._src.wire import protocol
 from sidecar._src.wire.protocol import ckpt_pb, pb
@@ -59,8 +59,8 @@ def test_another_client_cannot_stage_into_or_commit_over_a_committed_step(make_s
     assert "is not inside an uncommitted step directory" in str(info.value)
     for whole_step in (False, True):
       with pytest.raises(sidecar.SidecarError) as info:
-        client.commit(0, tmp_dir=item, step=1, num_hosts=1, leaves=leaves, shards=[],
-                      data_state_json="", whole_step=whole_step, replicas=None,
+        client.commit(0, Commit(tmp_dir=item, step=1, num_hosts=1, leaves=leaves, shards=[],
+                                data_state_json="", whole_step=whole_step, replicas=None),
                       timeout=10).result()
       assert isinstance(info.value, PermissionError), info.value
     # A tmp step of its own beside it, committed over the victim's item: refused too.
@@ -97,13 +97,14 @@ def test_another_client_cannot_join_or_commit_a_save_in_flight(make_server, tmp_
       # It would remove the victim's files.
       theirs.begin(0, str(directory), 2, format="orbax").result()
     with pytest.raises(sidecar.SidecarError, match="a session commits only the save it began"):
-      theirs.commit(0, tmp_dir=tmp_item, step=2, num_hosts=1, leaves=leaves, shards=[],
-                    data_state_json="", whole_step=True, replicas=None, timeout=10).result()
+      theirs.commit(0, Commit(tmp_dir=tmp_item, step=2, num_hosts=1, leaves=leaves, shards=[],
+                              data_state_json="", whole_step=True, replicas=None),
+                    timeout=10).result()
   mine.stage(0, Stage(directory=str(directory), step=2, tmp_dir=tmp_item, final_dir=final_dir,
                       leaves=[], shards=[half], last=True)).result()
   sums = mine.prepared(0, final_dir, timeout=30).result()
-  mine.commit(0, tmp_dir=tmp_item, step=2, num_hosts=1, leaves=leaves, shards=sums,
-              data_state_json="", whole_step=True, replicas=None, timeout=10).result()
+  mine.commit(0, Commit(tmp_dir=tmp_item, step=2, num_hosts=1, leaves=leaves, shards=sums,
+                        data_state_json="", whole_step=True, replicas=None), timeout=10).result()
   with victim.checkpointer(directory) as ckpt:
     got = ckpt.restore(2, target={"w": np.zeros(1024, np.float32)})["w"]
   np.testing.assert_array_equal(got, np.full(1024, 2.0, np.float32))
@@ -131,8 +132,9 @@ def test_another_client_cannot_join_begin_or_commit_a_dcp_save_in_flight(make_se
     with pytest.raises(sidecar.SidecarError, match="is being saved by another session"):
       theirs.begin(0, str(path), 3, format=dcp.FORMAT).result()  # would remove its files
     with pytest.raises(sidecar.SidecarError, match="a session commits only the save it began"):
-      theirs.commit(0, tmp_dir=tmp, step=3, num_hosts=1, leaves=[], shards=[],
-                    data_state_json="", whole_step=True, replicas=None, timeout=10).result()
+      theirs.commit(0, Commit(tmp_dir=tmp, step=3, num_hosts=1, leaves=[], shards=[],
+                              data_state_json="", whole_step=True, replicas=None),
+                    timeout=10).result()
     with pytest.raises(sidecar.SidecarError, match="is not inside an uncommitted step"):
       theirs.stage(0, Stage(directory=str(path.parent), step=3, tmp_dir=str(path),
                             final_dir=str(path), leaves=[], shards=[evil], last=True,

@@ -12,7 +12,7 @@ import pytest
 
 import sidecar
 from sidecar._src.ckptfmt import dcp, spec as spec_lib
-from sidecar._src.ckptfmt.phases import Stage
+from sidecar._src.ckptfmt.phases import Commit, Stage
 from sidecar._src.ckptfmt.records import ShardId, ShardRecord
 from sidecar._src.server.checkpoint import roots as roots_lib
 from tests.support.pool_files import ALICE, BOB, controller, write_pool
@@ -76,15 +76,17 @@ def test_a_dcp_plan_item_at_an_absolute_path_is_refused_at_the_commit(make_serve
             "storage": [{"fqn": "w", "offset": None, "index": 0, "path": str(secret), "at": 0,
                          "length": item.nbytes}]}
     message = refused(ValueError, "plan_json storage[0].path", lambda: client.commit(
-        0, tmp_dir=tmp, step=1, num_hosts=1, leaves=[], shards=sums, data_state_json="",
-        whole_step=True, replicas=None, timeout=10,
-        extra=dcp.DcpCommit(b"\x80\x04N.", {0: size}, json.dumps(plan))).result())
+        0, Commit(tmp_dir=tmp, step=1, num_hosts=1, leaves=[], shards=sums, data_state_json="",
+                  whole_step=True, replicas=None,
+                  extra=dcp.DcpCommit(b"\x80\x04N.", {0: size}, json.dumps(plan))),
+        timeout=10).result())
     assert str(secret) in message and "__<rank>_0.distcp" in message, message
     plan["storage"][0]["path"] = "../alice.token"  # relative, but out of the directory
     refused(ValueError, "no empty, '.' or '..' component", lambda: client.commit(
-        0, tmp_dir=tmp, step=1, num_hosts=1, leaves=[], shards=sums, data_state_json="",
-        whole_step=True, replicas=None, timeout=10,
-        extra=dcp.DcpCommit(b"\x80\x04N.", {0: size}, json.dumps(plan))).result())
+        0, Commit(tmp_dir=tmp, step=1, num_hosts=1, leaves=[], shards=sums, data_state_json="",
+                  whole_step=True, replicas=None,
+                  extra=dcp.DcpCommit(b"\x80\x04N.", {0: size}, json.dumps(plan))),
+        timeout=10).result())
     assert not path.exists()  # nothing committed, so nothing reads the token from storage
     client.abort(0, tmp, str(path), timeout=10).result()
 
@@ -193,8 +195,8 @@ def _race(server, tmp_path, directory_of) -> int:
                               shards=[staged(("w",), 0, ((0, BIG.size),), BIG)],
                               last=True)).result()
         sums = client.prepared(0, final, timeout=30).result()
-        client.commit(0, tmp_dir=f"{tmp}/default", step=1, num_hosts=1, leaves=[leaf],
-                      shards=sums, data_state_json="", whole_step=True, replicas=None,
+        client.commit(0, Commit(tmp_dir=f"{tmp}/default", step=1, num_hosts=1, leaves=[leaf],
+                                shards=sums, data_state_json="", whole_step=True, replicas=None),
                       timeout=30).result()
         committed.append(i)
       except sidecar.SidecarError:
@@ -325,8 +327,9 @@ def test_a_plan_nested_past_the_interpreters_depth_is_an_invalid_argument(make_s
     sums = client.prepared(0, str(path), timeout=30).result()
     _, size = dcp.layout(0, [item])
     refused(sidecar.InvalidArgumentError, "nested too deeply", lambda: client.commit(
-        0, tmp_dir=tmp, step=1, num_hosts=1, leaves=[], shards=sums, data_state_json="",
-        whole_step=True, replicas=None, timeout=10,
-        extra=dcp.DcpCommit(b"\x80\x04N.", {0: size}, "[" * 100_000 + "]" * 100_000)).result())
+        0, Commit(tmp_dir=tmp, step=1, num_hosts=1, leaves=[], shards=sums, data_state_json="",
+                  whole_step=True, replicas=None,
+                  extra=dcp.DcpCommit(b"\x80\x04N.", {0: size}, "[" * 100_000 + "]" * 100_000)),
+        timeout=10).result())
     assert not path.exists()
     client.abort(0, tmp, str(path), timeout=10).result()

@@ -124,9 +124,9 @@ class OwnTmp(FakeSidecars):
     self.tmp_dirs.append(("stage", stage.tmp_dir))
     return super().stage(host, stage)
 
-  def commit(self, host, *, tmp_dir, **kw):
-    self.tmp_dirs.append(("commit", tmp_dir))
-    return super().commit(host, tmp_dir=tmp_dir, **kw)
+  def commit(self, host, commit, *, timeout):
+    self.tmp_dirs.append(("commit", commit.tmp_dir))
+    return super().commit(host, commit, timeout=timeout)
 
 
 def test_a_step_is_written_in_the_tmp_directory_begin_answered():

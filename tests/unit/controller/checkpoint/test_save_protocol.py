@@ -361,10 +361,11 @@ class LayoutSidecars(FakeSidecars):
     self.staged_at.append((stage.tmp_dir, stage.final_dir))
     return super().stage(host, stage)
 
-  def commit(self, host, *, tmp_dir, step, num_hosts, leaves, shards, data_state_json,
-             whole_step, replicas, timeout, extra=None, taken_over=False):
+  def commit(self, host, commit, *, timeout):
+    tmp_dir, step, leaves, shards = commit.tmp_dir, commit.step, commit.leaves, commit.shards
+    data_state_json = commit.data_state_json
     found = self.fmt.final_of(pathlib.Path(tmp_dir))
-    if taken_over:  # as FakeSidecars': the sidecars' agreement
+    if commit.taken_over:  # as FakeSidecars': the sidecars' agreement
       leaves, shards, data_state_json, _ = self.agreed(host, tmp_dir, final_dir=str(found.final))
     self.manifests[str(found.final)] = Manifest(
         self.fmt.name, tuple(SavedLeaf.of(s) for s in leaves), tuple(shards),

@@ -14,7 +14,7 @@ import pytest
 
 from sidecar._src.ckptfmt import records, registry as formats_lib, spec as spec_lib
 from sidecar._src.ckptfmt.orbax.format import OrbaxFormat
-from sidecar._src.ckptfmt.phases import Stage
+from sidecar._src.ckptfmt.phases import Commit, Stage
 from sidecar._src.ckptfmt.records import CommitPlan
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
@@ -232,7 +232,7 @@ def test_one_host_commits_a_step_whose_trainer_died_and_refuses_the_trainers_com
   stage(hosts[0], directory, tmp_dir, final, rows=(0, 4), plan=plan(hosts=(0,)),
         alive=lambda: False)
   with pytest.raises(errors.PermissionDeniedError, match="being committed already"):
-    hosts[0].writer.commit(tmp_dir, STEP, 1, SPECS, [], "", True, owner="trainer")
+    hosts[0].writer.commit(Commit(tmp_dir, STEP, 1, SPECS, [], "", True), owner="trainer")
   fmt.gates[0].set()
   assert hosts[0].agreements.await_commit(os.path.realpath(tmp_dir), STEP, "trainer",
                                           30) == str(tmp_path / "ck" / str(STEP))

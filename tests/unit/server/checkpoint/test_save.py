@@ -16,7 +16,7 @@ import pytest
 from sidecar._src.ckptfmt import records, registry as formats_lib, spec as spec_lib
 from sidecar._src.ckptfmt.dcp import distcp
 from sidecar._src.ckptfmt.orbax.format import OrbaxFormat
-from sidecar._src.ckptfmt.phases import Stage
+from sidecar._src.ckptfmt.phases import Commit, Stage
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
 from sidecar._src.server.checkpoint import (
@@ -108,7 +108,7 @@ def test_parts_are_written_as_they_come_and_two_writers_make_one_step(make_write
   sums = writer.prepared(final, timeout=30)
   assert sorted((c.key_path, c.index, c.host) for c in sums) == [
       (("b",), ((0, 3),), 0), (("w",), ((0, 2), (0, 2)), 0), (("w",), ((2, 4), (0, 2)), 0)]
-  committed = writer.commit(tmp_dir, 3, 1, SPECS, sums, '{"batch": 5}', True, owner="a")
+  committed = writer.commit(Commit(tmp_dir, 3, 1, SPECS, sums, '{"batch": 5}', True), owner="a")
   assert committed == str(tmp_path / "ck" / "3")
   with open(os.path.join(final, records.MANIFEST_FILE)) as f:
     manifest = json.load(f)
@@ -129,7 +129,7 @@ def test_a_write_failure_is_a_checkpoint_write_error_and_the_step_is_never_commi
     writer.prepared(final, timeout=30)
   assert (e.value.errno, e.value.path, e.value.host_id) == (errno.ENOSPC, path, 0)
   with pytest.raises(errors.InvalidArgumentError, match="failed to write on host 0 "):
-    writer.commit(tmp_dir, 4, 1, SPECS, [], "", True, owner="a")
+    writer.commit(Commit(tmp_dir, 4, 1, SPECS, [], "", True), owner="a")
   writer.abort(os.path.dirname(tmp_dir), final)
   assert os.listdir(directory) == []  # no step, no tmp directory
 
@@ -162,8 +162,8 @@ def test_another_session_neither_stages_into_nor_commits_a_save(make_writer, tmp
                      last=True), owner="a")
   sums = writer.prepared(final, timeout=30)
   with pytest.raises(errors.PermissionDeniedError, match="a session commits only the save"):
-    writer.commit(tmp_dir, 6, 1, SPECS, sums, "", True, owner="b")
-  writer.commit(tmp_dir, 6, 1, SPECS, sums, "", True, owner="a")
+    writer.commit(Commit(tmp_dir, 6, 1, SPECS, sums, "", True), owner="b")
+  writer.commit(Commit(tmp_dir, 6, 1, SPECS, sums, "", True), owner="a")
   assert sorted(os.listdir(directory)) == ["6"]
 
 
@@ -242,7 +242,7 @@ def test_a_begun_save_is_in_flight_until_committed_and_one_that_never_stages_goe
   writer.stage(Stage(directory, 3, tmp_dir, final, SPECS, [shard(0, ((0, 4), (0, 2)), 1.0),
                      shard(1, ((0, 3),), 1)]), owner="a")
   sums = writer.prepared(final, timeout=30)
-  writer.commit(tmp_dir, 3, 1, SPECS, sums, "", True, owner="a")
+  writer.commit(Commit(tmp_dir, 3, 1, SPECS, sums, "", True), owner="a")
   # Not refused as in flight (it ended): a race lost, the documented error, no FileExistsError.
   with pytest.raises(errors.PermissionDeniedError,
                      match=r"begin: step 3 of '.*ck' is being saved by another checkpointer, or "
@@ -342,7 +342,7 @@ def test_a_stage_that_begins_its_step_answers_before_its_metadata_is_written(mak
   engine.release.set()
   sums = writer.prepared(final, timeout=30)
   assert engine.finished_on == ["sidecar-ckpt-3"]
-  assert writer.commit(tmp_dir, 3, 1, SPECS, sums, "", True, owner="a") == str(
+  assert writer.commit(Commit(tmp_dir, 3, 1, SPECS, sums, "", True), owner="a") == str(
       tmp_path / "ck" / "3")
   assert os.listdir(directory) == ["3"]
   assert not (tmp_path / "ck" / "3" / spec_lib.ITEM / "stale").exists()
@@ -369,7 +369,7 @@ def test_a_step_begun_by_a_stage_keeps_the_parts_other_hosts_wrote_before_it_fin
   written = theirs.prepared(final, timeout=30)  # host 1's part is on storage
   engine.release.set()
   sums = ours.prepared(final, timeout=30) + written
-  assert ours.commit(tmp_dir, 4, 2, SPECS, sums, "", True, owner="a") == str(
+  assert ours.commit(Commit(tmp_dir, 4, 2, SPECS, sums, "", True), owner="a") == str(
       tmp_path / "ck" / "4")
   committed = tmp_path / "ck" / "4" / spec_lib.ITEM
   assert sorted(os.listdir(committed / "array_metadatas")) == ["process_0", "process_1"]
@@ -392,7 +392,7 @@ def test_a_step_whose_directory_could_not_be_finished_fails_as_a_failed_write(ma
     writer.prepared(final, timeout=30)
   assert engine.seen == []  # nothing written
   with pytest.raises(errors.InvalidArgumentError, match="failed to write on host 0 "):
-    writer.commit(tmp_dir, 4, 1, SPECS, [], "", True, owner="a")
+    writer.commit(Commit(tmp_dir, 4, 1, SPECS, [], "", True), owner="a")
   writer.abort(os.path.dirname(tmp_dir), final)
   assert os.listdir(directory) == [] and tier.find(final) is None
   engine.fail_finishing = None
