@@ -163,8 +163,11 @@ class FakeSidecars(CheckpointTransport):
     assert format == ORBAX, format
     return self._phase("begin", host, f"{directory}/{step}.orbax-checkpoint-tmp")
 
-  def stage(self, host, *, directory, step, tmp_dir, final_dir, leaves, shards, last,
-            writers=1, extra=None, plan=None, begin_format=""):
+  def stage(self, host, stage):
+    directory, step, tmp_dir, final_dir = (stage.directory, stage.step, stage.tmp_dir,
+                                           stage.final_dir)
+    leaves, shards, extra, plan = stage.leaves, stage.shards, stage.extra, stage.plan
+    begin_format = stage.begin_format
     if begin_format:  # the step begun by its first part: a Begin's call and failure
       begun = self.begin(host, directory, step, format=begin_format)
       if begun.exception() is not None:
@@ -217,8 +220,11 @@ class FakeSidecars(CheckpointTransport):
     return (self.leaves[final], [r for f in written for r in f.result()],
             plan.data_state_json, plan.replicas)
 
-  def commit(self, host, *, tmp_dir, step, num_hosts, leaves, shards, data_state_json,
-             whole_step, replicas, timeout, extra=None, taken_over=False):
+  def commit(self, host, commit, *, timeout):
+    tmp_dir, step, leaves, shards = commit.tmp_dir, commit.step, commit.leaves, commit.shards
+    data_state_json, whole_step, replicas = (commit.data_state_json, commit.whole_step,
+                                             commit.replicas)
+    extra, taken_over = commit.extra, commit.taken_over
     future = self._phase("commit", host, tmp_dir)
     if future.exception() is None:
       dcp = extra is not None

@@ -56,13 +56,13 @@ class Recording(FakeSidecars):
     self.writing.wait(30)
     return super().written(host, final_dir)
 
-  def stage(self, host, *, extra=None, **kw):
-    self.sent.append(("stage", host, extra))
-    return super().stage(host, extra=extra, **kw)
+  def stage(self, host, stage):
+    self.sent.append(("stage", host, stage.extra))
+    return super().stage(host, stage)
 
-  def commit(self, host, *, extra=None, **kw):
-    self.sent.append(("commit", host, extra))
-    return super().commit(host, extra=extra, **kw)
+  def commit(self, host, commit, *, timeout):
+    self.sent.append(("commit", host, commit.extra))
+    return super().commit(host, commit, timeout=timeout)
 
   def replicate(self, host, final_dir, targets, *, bandwidth, timeout):
     self.sent.append(("replicate", host, None))

@@ -33,7 +33,7 @@ sys.meta_path.insert(0, _NotInstalled())
 
 import numpy as np
 
-from sidecar._src.ckptfmt import records
+from sidecar._src.ckptfmt import phases, records
 from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart, Item, distcp
 from sidecar._src.server import metrics as metrics_lib
 from sidecar._src.server.checkpoint import ram_tier, read, roots as roots_lib, save
@@ -54,16 +54,17 @@ tmp = writer.begin(path, 3, format="dcp", owner="a")
 w = np.arange(12, dtype=np.float32).reshape(4, 3)
 item = Item(fqn="w", kind="tensor", nbytes=w.nbytes, dtype="float32", sizes=w.shape,
             offsets=(0, 0))
-writer.stage(root, 3, tmp, path, [], [records.Staged(item.record(0, 0, w), w)], last=True,
-             extra=DcpPart(0, 1), owner="a")
+writer.stage(phases.Stage(root, 3, tmp, path, [], [records.Staged(item.record(0, 0, w), w)],
+                          last=True, extra=DcpPart(0, 1)), owner="a")
 sums = writer.prepared(path, timeout=30)
 (where,), size = distcp.layout(0, [item])
 plan = {"storage": [{"fqn": "w", "offset": [0, 0], "path": where.relative_path,
                      "at": where.offset, "length": where.length}],
         "state": {"w": {"kind": "tensor", "dtype": "float32",
                         "chunks": [{"offsets": [0, 0], "sizes": [4, 3]}]}}}
-committed = writer.commit(tmp, 3, 1, [], sums, '{"epoch": 2}', True,
-                          extra=DcpCommit(b"\x80\x04N.", {0: size}, json.dumps(plan)), owner="a")
+committed = writer.commit(phases.Commit(tmp, 3, 1, [], sums, '{"epoch": 2}', True,
+                                        extra=DcpCommit(b"\x80\x04N.", {0: size},
+                                                        json.dumps(plan))), owner="a")
 manifest = read.info(committed)
 got = read.Reader(tier, metrics_lib.Recorder()).read(committed, manifest.shards[0], tier="disk")
 for t in threads:

@@ -29,6 +29,7 @@ import pytest
 import sidecar
 from sidecar._src.ckptfmt import records, registry as formats_lib
 from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart, Item, distcp
+from sidecar._src.ckptfmt.phases import Commit, Stage
 from sidecar._src.ckptfmt.records import Staged
 from sidecar._src.ckptfmt.spec import LeafKind, LeafSpec
 from tests.support.staged import staged
@@ -108,13 +109,14 @@ def _save(client, name: str, directory: str, step: int) -> str:
   fmt = formats_lib.DEFAULT.get(name)
   tmp_dir, final_dir = fmt.staged_dirs(tmp)[0], fmt.final_dir(s.begin, step)
   for shards, first, last in ((s.shards[:1], True, False), (s.shards[1:], False, True)):
-    client.stage(0, directory=directory, step=step, tmp_dir=tmp_dir, final_dir=final_dir,
-                 leaves=s.leaves if first else [], shards=shards, last=last,
-                 extra=s.first if first else s.rest).result()
+    client.stage(0, Stage(directory=directory, step=step, tmp_dir=tmp_dir, final_dir=final_dir,
+                          leaves=s.leaves if first else [], shards=shards, last=last,
+                          extra=s.first if first else s.rest)).result()
   sums = client.prepared(0, final_dir, timeout=30).result()
-  client.commit(0, tmp_dir=tmp_dir, step=step, num_hosts=1, leaves=s.leaves, shards=sums,
-                data_state_json=json.dumps({"step": step}), whole_step=True, replicas=None,
-                timeout=30, extra=s.commit).result()
+  client.commit(0, Commit(tmp_dir=tmp_dir, step=step, num_hosts=1, leaves=s.leaves,
+                          shards=sums, data_state_json=json.dumps({"step": step}),
+                          whole_step=True, replicas=None, extra=s.commit),
+                timeout=30).result()
   client.committed(0, final_dir).result()
   return final_dir
 
@@ -170,8 +172,8 @@ def test_a_registered_format_saves_lists_restores_keeps_and_detects_corruption(
   tmp = client.begin(0, s.begin, 4, format=name).result()
   fmt = formats_lib.DEFAULT.get(name)
   tmp_dir, final_dir = fmt.staged_dirs(tmp)[0], fmt.final_dir(s.begin, 4)
-  client.stage(0, directory=directory, step=4, tmp_dir=tmp_dir, final_dir=final_dir,
-               leaves=s.leaves, shards=s.shards[:1], last=False, extra=s.first).result()
+  client.stage(0, Stage(directory=directory, step=4, tmp_dir=tmp_dir, final_dir=final_dir,
+                        leaves=s.leaves, shards=s.shards[:1], last=False, extra=s.first)).result()
   client.abort(0, tmp, final_dir, timeout=30).result()
   assert not pathlib.Path(tmp).exists() and not pathlib.Path(final_dir).exists()
   assert client.open(0, directory, ram_steps=3, ram_budget=None, sweep=False).result() == [2, 3]

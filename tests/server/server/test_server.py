@@ -12,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import sidecar
+from sidecar._src.ckptfmt.phases import Stage
 from sidecar._src.wire import ipc, protocol
 from sidecar._src.wire.protocol import pb
 from tests.conftest import eventually
@@ -371,9 +372,9 @@ def test_a_save_abandoned_mid_stage_gives_its_blocks_back(make_server, tmp_path,
     spec = spec_lib.LeafSpec(key_path=("w",), shape=(2, n), dtype=np.float32, kind="np.ndarray",
                            write_shape=(1, n))
     part, _ = ctl.worker(0).put(np.ones((1, n), np.float32))
-    client.stage(0, directory=directory, step=3, tmp_dir=tmp + "/default",
-                 final_dir=directory + "/3/default", leaves=[spec],
-                 shards=[staged(("w",), 0, ((0, 1), (0, n)), part)], last=False).result()
+    client.stage(0, Stage(directory=directory, step=3, tmp_dir=tmp + "/default",
+                          final_dir=directory + "/3/default", leaves=[spec],
+                          shards=[staged(("w",), 0, ((0, 1), (0, n)), part)], last=False)).result()
     del part  # the trainer dies before its last part
     gc.collect()
     time.sleep(0.2)
@@ -400,10 +401,10 @@ def test_two_sessions_stage_one_step_into_one_host(make_server, tmp_path):
     rows = []
     for i, (ctl, client) in enumerate(zip((a, b), clients)):
       part, _ = ctl.worker(0).put(np.full((1, n), i, np.float32))
-      client.stage(0, directory=directory, step=3, tmp_dir=tmp + "/default",
-                   final_dir=directory + "/3/default", leaves=[spec],
-                   shards=[staged(("w",), 0, ((i, i + 1), (0, n)), part)], last=True,
-                   writers=2).result()
+      client.stage(0, Stage(directory=directory, step=3, tmp_dir=tmp + "/default",
+                            final_dir=directory + "/3/default", leaves=[spec],
+                            shards=[staged(("w",), 0, ((i, i + 1), (0, n)), part)], last=True,
+                            writers=2)).result()
       del part
       rows.append(i)
       prepared = clients[0].prepared(0, directory + "/3/default", timeout=0.3 if i == 0 else 30)
@@ -431,9 +432,9 @@ def test_stopping_mid_save_aborts_the_staging_and_joins_the_threads(make_server,
     spec = spec_lib.LeafSpec(key_path=("w",), shape=(2, n), dtype=np.float32,
                            kind="np.ndarray", write_shape=(1, n))
     part, _ = ctl.worker(0).put(np.ones((1, n), np.float32))
-    client.stage(0, directory=directory, step=3, tmp_dir=tmp + "/default",
-                 final_dir=directory + "/3/default", leaves=[spec],
-                 shards=[staged(("w",), 0, ((0, 1), (0, n)), part)], last=False).result()
+    client.stage(0, Stage(directory=directory, step=3, tmp_dir=tmp + "/default",
+                          final_dir=directory + "/3/default", leaves=[spec],
+                          shards=[staged(("w",), 0, ((0, 1), (0, n)), part)], last=False)).result()
     del part
     writers = [t for t in threading.enumerate() if t.name == "sidecar-ckpt-3"]
     # Waiting for the second part; a starter thread starts it, so it may not have run yet.

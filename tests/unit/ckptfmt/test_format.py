@@ -17,6 +17,7 @@ import pytest
 from sidecar._src.ckptfmt import direct_io, records, registry as formats_lib
 from sidecar._src.ckptfmt.format import Format, Uncommitted
 from sidecar._src.ckptfmt.orbax.format import LeafNumbering
+from sidecar._src.ckptfmt.phases import Commit, Stage
 from sidecar._src.ckptfmt.records import shard_crc32c
 from sidecar._src.ckptfmt.spec import LeafSpec
 from sidecar._src.core import errors
@@ -102,12 +103,12 @@ def test_a_new_format_is_one_subclass_and_one_registry_entry(tmp_path):
   writer.open(directory)
   tmp = writer.begin(directory, 5, format="npy", owner="a")
   final = tmp.removesuffix(SUFFIX)
-  writer.stage(directory, 5, tmp, final, [spec], [staged(("w",), 0, ((0, 2), (0, 2)), w[:2])],
-               last=False, owner="a")
-  writer.stage(directory, 5, tmp, final, [spec], [staged(("w",), 0, ((2, 4), (0, 2)), w[2:])],
-               last=True, owner="a")
+  writer.stage(Stage(directory, 5, tmp, final, [spec], [staged(("w",), 0, ((0, 2), (0, 2)), w[:2])],
+                     last=False), owner="a")
+  writer.stage(Stage(directory, 5, tmp, final, [spec], [staged(("w",), 0, ((2, 4), (0, 2)), w[2:])],
+                     last=True), owner="a")
   sums = writer.prepared(final, timeout=30)
-  assert writer.commit(tmp, 5, 1, [spec], sums, "", True, owner="a") == final
+  assert writer.commit(Commit(tmp, 5, 1, [spec], sums, "", True), owner="a") == final
   for t in threads:
     t.join(30)
   assert writer.open(directory) == [5]  # listed as a step: its format says it is one

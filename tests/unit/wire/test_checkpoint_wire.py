@@ -1,12 +1,15 @@
 """Tier 1: the checkpoint protocol's messages <-> values, and replicas' raw-bytes serializer."""
 
+import dataclasses
 import json
 
 import numpy as np
 import pytest
 
 from sidecar._src.ckptfmt import spec as spec_lib
-from sidecar._src.ckptfmt.records import ShardId, ShardRecord, Staged
+from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart
+from sidecar._src.ckptfmt.phases import Commit, Stage
+from sidecar._src.ckptfmt.records import CommitPlan, ShardId, ShardRecord, Staged
 from sidecar._src.core import errors
 from sidecar._src.server.checkpoint import links as links_lib
 from sidecar._src.wire import checkpoint_wire as wire
@@ -50,6 +53,55 @@ def test_a_stage_carries_each_record_with_its_bytes_beside_it():
   del lying.data[1]
   with pytest.raises(errors.InvalidArgumentError, match="one data per record: 2 records, 1 data"):
     wire.staged_from_pb(lying, None)
+
+
+def test_a_stage_survives_the_wire_as_the_same_value_every_field_of_it():
+  """A save's Stage phase is one value (``ckptfmt/phases.Stage``) the wire alone converts:
+  each field set (none at its default) comes back as sent."""
+  a = np.arange(6, dtype=np.int16)
+  spec = spec_lib.LeafSpec(key_path=("a",), shape=(6,), dtype=np.int16)
+  plan = CommitPlan(save="s1", committer=1, hosts=(0, 1), data_state_json='{"epoch": 2}',
+                    lead=True, replicas={0: (1,)})
+  stage = Stage(directory="/ckpt", step=7, tmp_dir="/ckpt/7.dcp-checkpoint-tmp",
+                final_dir="/ckpt/7", leaves=[spec],
+                shards=[Staged(ShardRecord.of(ShardId(("a",), ((0, 6),)), 0, a, host=1), a)],
+                last=False, writers=3, extra=DcpPart(2, 5), plan=plan, begin_format="dcp")
+  defaults = {f.name: f.default for f in dataclasses.fields(Stage)}
+  assert all(getattr(stage, name) != default for name, default in defaults.items()
+             if default is not dataclasses.MISSING), "a field left at its default"
+  request = _sent(wire.stage_to_pb(stage, worker_session="w1", to_arena=None))
+  assert request.worker_session == "w1"  # the caller's, beside the value
+  got = wire.stage_from_pb(request, None)
+  for name in defaults:
+    if name != "shards":
+      assert getattr(got, name) == getattr(stage, name), name
+  assert [s.record for s in got.shards] == [s.record for s in stage.shards]
+  assert all(np.array_equal(g.data, s.data) for g, s in zip(got.shards, stage.shards))
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    got.step = 8  # type: ignore[misc]
+  assert wire.stage_from_pb(_sent(wire.stage_to_pb(
+      Stage("/ckpt", 7, "/t", "/f", [], []), worker_session="", to_arena=None)), None
+  ) == Stage("/ckpt", 7, "/t", "/f", [], [])  # the defaults come back as defaults
+
+
+def test_a_commit_survives_the_wire_as_the_same_value_every_field_of_it():
+  """A save's Commit phase is one value (``ckptfmt/phases.Commit``) the wire alone converts:
+  each field set (none at its default) comes back as sent."""
+  spec = spec_lib.LeafSpec(key_path=("a",), shape=(6,), dtype=np.int16)
+  record = ShardRecord(ShardId(("a",), ((0, 6),)), 0, 1, "int16", (6,), 12, crc32c=7)
+  commit = Commit(tmp_dir="/ckpt/7.dcp-checkpoint-tmp", step=7, num_hosts=2, leaves=[spec],
+                  shards=[record], data_state_json='{"epoch": 2}', whole_step=False,
+                  replicas={0: [1], 1: [0]},
+                  extra=DcpCommit(b"\x80\x04N.", {0: 12}, '{"storage": []}'), taken_over=True)
+  defaults = {f.name: f.default for f in dataclasses.fields(Commit)}
+  assert all(getattr(commit, name) != default for name, default in defaults.items()
+             if default is not dataclasses.MISSING), "a field left at its default"
+  got = wire.commit_from_pb(_sent(wire.commit_to_pb(commit)))
+  assert got == commit
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    got.taken_over = False  # type: ignore[misc]
+  bare = Commit("/t", 7, 1, [], [], "", True)
+  assert wire.commit_from_pb(_sent(wire.commit_to_pb(bare))) == bare  # None: no replicas
 
 
 @pytest.mark.parametrize("field, value, match", [

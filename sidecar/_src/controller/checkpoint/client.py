@@ -22,14 +22,14 @@ import concurrent.futures
 import functools
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
 import numpy as np
 
+from sidecar._src.ckptfmt.phases import Commit, Stage
 from sidecar._src.ckptfmt.records import (
-  CommitPlan,
   Held,
   Manifest,
   ReplicaTarget,
@@ -38,7 +38,6 @@ from sidecar._src.ckptfmt.records import (
   ShardRecord,
   Staged,
 )
-from sidecar._src.ckptfmt.spec import LeafSpec
 from sidecar._src.ckptfmt.tiers import Tier
 from sidecar._src.controller.checkpoint import ram_drop
 from sidecar._src.core import errors
@@ -264,18 +263,10 @@ class CheckpointTransport(abc.ABC):
     format's name; ``"dcp"``: ``directory`` is the checkpoint's own, its tmp one beside it)."""
 
   @abc.abstractmethod
-  def stage(self, host: int, *, directory: str, step: int, tmp_dir: str, final_dir: str,
-            leaves: Sequence[LeafSpec], shards: Sequence[Staged],
-            last: bool, writers: int = 1, extra: FormatExtra | None = None,
-            plan: CommitPlan | None = None, begin_format: str = ""
-            ) -> concurrent.futures.Future:
-    """Future of the bytes of the step staged on ``host`` so far. ``writers``: how many
-    processes stage into ``host`` (each sends its own ``last``). ``extra``: the format's
-    extra (a DCP rank's items, the shards' records' ``leaf`` numbering them). ``plan``
-    (with ``last``): the sidecars commit the step themselves; the host takes it over
-    once its part is whole, before the call that made it whole answers. ``begin_format``:
-    this call begins the step first, as ``begin`` would in that format (``tmp_dir`` where
-    its save writes in what that makes): the first part on the host that begins it."""
+  def stage(self, host: int, stage: Stage) -> concurrent.futures.Future:
+    """Future of the bytes of the step staged on ``host`` so far, once it took ``stage``
+    (``ckptfmt/phases.Stage``: its fields say what each means). A ``stage`` with a
+    ``begin_format`` begins the step there first: its call is waited for at once."""
 
   @abc.abstractmethod
   def prepared(self, host: int, final_dir: str, *, timeout: float
@@ -284,16 +275,10 @@ class CheckpointTransport(abc.ABC):
     its crc32c."""
 
   @abc.abstractmethod
-  def commit(self, host: int, *, tmp_dir: str, step: int, num_hosts: int,
-             leaves: Sequence[LeafSpec], shards: Sequence[ShardRecord],
-             data_state_json: str, whole_step: bool,
-             replicas: Mapping[int, Sequence[int]] | None, timeout: float,
-             extra: FormatExtra | None = None, taken_over: bool = False
-             ) -> concurrent.futures.Future:
-    """Future of the committed directory; ``shards``: every host's, written. ``extra``: the
-    format's extra (a DCP step's pickled metadata, file sizes and plan). ``taken_over``:
-    the sidecars commit the step themselves (its Stages carried a plan naming ``host``
-    its committer): the future holds that commit, or its failure (no ``shards`` given)."""
+  def commit(self, host: int, commit: Commit, *, timeout: float) -> concurrent.futures.Future:
+    """Future of the committed directory, once ``host`` committed ``commit``
+    (``ckptfmt/phases.Commit``: its fields say what each means). With ``taken_over``, the
+    future holds the commit the sidecars agree on, or its failure."""
 
   @abc.abstractmethod
   def committed(self, host: int, final_dir: str, manifest_json: str = ""
@@ -430,36 +415,22 @@ class CheckpointClient(CheckpointTransport):
         directory=directory, step=step, format=format,
         worker_session=w.session if w is not None else ""), lambda r: r.tmp_directory)
 
-  def stage(self, host, *, directory, step, tmp_dir, final_dir, leaves, shards, last,
-            writers=1, extra=None, plan=None, begin_format=""):
+  def stage(self, host, stage):
     w = self._worker(host)
-    request = ckpt_pb.CheckpointStageRequest(
-        directory=directory, step=step, tmp_dir=tmp_dir, final_dir=final_dir,
-        leaves=[wire.leaf_to_pb(d) for d in leaves], last=last, writers=writers,
-        worker_session=w.session if w is not None else "", begin_format=begin_format)
-    if plan is not None:
-      wire.plan_to_pb(request.plan, plan)
-    wire.format_extra_to_pb(request, extra, wire.STAGE_EXTRAS)
-    wire.staged_to_pb(request, shards, w.ref_of if w is not None else None)
+    request = wire.stage_to_pb(stage, worker_session=w.session if w is not None else "",
+                               to_arena=w.ref_of if w is not None else None)
     # A Stage that begins its step is waited for at once (save() waits for its answer).
     return self._rpc(host, "Stage", request, lambda r: r.staged_bytes,
-                     held=[s.data for s in shards], now=bool(begin_format))
+                     held=[s.data for s in stage.shards], now=bool(stage.begin_format))
 
   def prepared(self, host, final_dir, *, timeout):
     return self._rpc(host, "Prepared", ckpt_pb.CheckpointPreparedRequest(
         final_dir=final_dir, timeout_s=timeout),
         lambda r: [wire.record_from_pb(c, "record") for c in r.records], timeout=timeout)
 
-  def commit(self, host, *, tmp_dir, step, num_hosts, leaves, shards, data_state_json,
-             whole_step, replicas, timeout, extra=None, taken_over=False):
-    request = ckpt_pb.CheckpointCommitRequest(
-        tmp_dir=tmp_dir, step=step, num_hosts=num_hosts,
-        leaves=[wire.leaf_to_pb(d) for d in leaves],
-        records=[wire.record_to_pb(c) for c in shards], data_state_json=data_state_json,
-        whole_step=whole_step, taken_over=taken_over)
-    wire.format_extra_to_pb(request, extra, wire.COMMIT_EXTRAS)
-    wire.replicas_to_pb(request.replicas, replicas)
-    return self._rpc(host, "Commit", request, lambda r: r.committed, timeout=timeout)
+  def commit(self, host, commit, *, timeout):
+    return self._rpc(host, "Commit", wire.commit_to_pb(commit), lambda r: r.committed,
+                     timeout=timeout)
 
   def committed(self, host, final_dir, manifest_json=""):
     return self._rpc(host, "Committed", ckpt_pb.CheckpointCommittedRequest(

@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt import spec as spec_lib
 from sidecar._src.ckptfmt.format import Format
+from sidecar._src.ckptfmt.phases import Commit, Stage
 from sidecar._src.ckptfmt.records import CommitPlan, Replicated, ShardRecord
 from sidecar._src.controller.checkpoint.client import CheckpointTransport, FormatExtra
 from sidecar._src.controller.checkpoint.staging import Lot
@@ -175,18 +176,16 @@ class SaveProtocol:
              data_state_json: str = "", replicas: Mapping[int, Sequence[int]] | None = None,
              extra: FormatExtra | None = None) -> str:
     """``host`` commits the step (every host prepared); returns the committed directory."""
-    return self.client.commit(host, tmp_dir=target.tmp_dir, step=target.step,
-                              num_hosts=num_hosts, leaves=list(leaves), shards=shards,
-                              data_state_json=data_state_json, whole_step=target.whole_step,
-                              replicas={h: p for h, p in (replicas or {}).items() if p} or None,
-                              timeout=LONG_S, extra=extra).result()
+    return self.client.commit(host, Commit(
+        target.tmp_dir, target.step, num_hosts, list(leaves), shards, data_state_json,
+        target.whole_step, {h: p for h, p in (replicas or {}).items() if p} or None, extra),
+        timeout=LONG_S).result()
 
   def await_commit(self, host: int, target: Target) -> str:
     """Waits for the commit the sidecars agree on of a step they took over, ``host`` its
     committer; returns the committed directory, or raises why it was abandoned."""
-    return self.client.commit(host, tmp_dir=target.tmp_dir, step=target.step, num_hosts=1,
-                              leaves=[], shards=[], data_state_json="", whole_step=True,
-                              replicas=None, timeout=LONG_S, taken_over=True).result()
+    return self.client.commit(host, Commit(target.tmp_dir, target.step, 1, [], [], "", True,
+                                           taken_over=True), timeout=LONG_S).result()
 
   def abort(self, target: Target, hosts: Sequence[int]) -> None:
     """Drops a failed save from every sidecar that answers, then its uncommitted files.
@@ -296,17 +295,14 @@ class Sends:
     first = host not in self._last
     if not first:
       self._last[host].result()  # a host's lots arrive in order
-    now = self._extra if first else self._rest
-    fmt = {} if now is None else {"extra": now}
     begin, self._begin = self._begin, None  # the first lot's, once
     p, t = self._protocol, self._target
     try:
-      self._last[host] = p.client.stage(
-          host, directory=p.directory, step=t.step, tmp_dir=t.tmp_dir, final_dir=t.final_dir,
-          leaves=self._leaves if first else [], shards=got.shards, last=got.last,
-          writers=len(p.writers.get(host, ())) or 1,
-          plan=self._plan if got.last else None,
-          begin_format=begin.format if begin is not None else "", **fmt)
+      self._last[host] = p.client.stage(host, Stage(
+          p.directory, t.step, t.tmp_dir, t.final_dir, self._leaves if first else [],
+          list(got.shards), got.last, len(p.writers.get(host, ())) or 1,
+          self._extra if first else self._rest, self._plan if got.last else None,
+          begin.format if begin is not None else ""))
       if begin is not None:  # the step is begun once this answers: say so at once
         self._last[host].result()
     except BaseException as e:

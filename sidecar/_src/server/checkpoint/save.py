@@ -31,6 +31,7 @@ from sidecar._src.ckptfmt import direct_io, records, registry as formats_lib
 from sidecar._src.ckptfmt.direct_io import Turn
 from sidecar._src.ckptfmt.format import Format
 from sidecar._src.ckptfmt.orbax import read as orbax_read
+from sidecar._src.ckptfmt.phases import Commit, Stage
 from sidecar._src.ckptfmt.records import AgreePhase, Manifest, ShardRecord, Staged
 from sidecar._src.ckptfmt.spec import LeafSpec
 from sidecar._src.core import errors
@@ -248,13 +249,13 @@ class StepWriter:
           f"({where.committed}); nothing writes into or over a committed step")
     return fmt, str(path), str(where.final), where.tmp
 
-  def stage(self, directory: str, step: int, tmp_dir: str, final_dir: str,
-            leaves: Sequence[LeafSpec], shards: list[Staged], last: bool = True,
-            writers: int = 1, extra: Any = None, owner: str = "",
-            plan: records.CommitPlan | None = None, worker: str = "",
+  def stage(self, stage: Stage, *, owner: str = "", worker: str = "",
             alive: Callable[[], bool] | None = None,
             finish_tmp: Callable[[], None] | None = None) -> int:
-    """Takes shards of this host (arena views it now holds) and starts writing them.
+    """Takes the shards of this host a ``stage`` carries (arena views it now holds) and
+    starts writing them. ``stage`` is the trainer's, as it sent it (``ckptfmt/phases``);
+    ``owner``, ``worker``, ``alive`` and ``finish_tmp`` are what this sidecar knows of
+    the call itself.
 
     A save stages in parts, as the trainer copies (``last`` on the final one): the
     first part starts the writer, each part's shards are written as they arrive.
@@ -278,7 +279,10 @@ class StepWriter:
     ``finish_tmp`` (a part that begins its step: :meth:`begin_staged`): what finishes the
     step's uncommitted directory, which its writer thread runs before it writes.
     """
-    step = roots_lib.as_int(step, "step")
+    directory, tmp_dir, final_dir = stage.directory, stage.tmp_dir, stage.final_dir
+    leaves, shards, last, writers = stage.leaves, stage.shards, stage.last, stage.writers
+    extra, plan = stage.extra, stage.plan
+    step = roots_lib.as_int(stage.step, "step")
     resolved = self._path(directory, "directory")  # each path resolved once
     resolved_final = self._path(final_dir, "final_dir")
     fmt, tmp_dir, final, tmp_step = self._uncommitted_at(tmp_dir, "tmp_dir")
@@ -370,11 +374,9 @@ class StepWriter:
     faults.fault("prepared", own.step)
     return own.written_records
 
-  def commit(self, tmp_dir: str, step: int, num_hosts: int, leaves: Sequence[LeafSpec],
-             shards: Sequence[ShardRecord], data_state: str, whole_step: bool,
-             replicas: dict[int, list[int]] | None = None, extra: Any = None,
-             owner: str = "") -> str:
-    """On host 0: the manifest, then the checks; with ``whole_step`` also the step's rename.
+  def commit(self, commit: Commit, *, owner: str = "") -> str:
+    """On host 0: the manifest, then the checks; with ``commit.whole_step`` also the
+    step's rename. ``commit`` is the trainer's, as it sent it (``ckptfmt/phases``).
 
     Without ``whole_step`` (an Orbax handler's item) the CheckpointManager commits.
     ``replicas``: which hosts hold each host's replicas (``{host: [hosts]}``), recorded
@@ -384,8 +386,8 @@ class StepWriter:
     ``extra``: the typed commit extra of ``tmp_dir``'s format, if it has one (a DCP step's
     ``DcpCommit``: its metadata, file sizes and plan).
     """
-    step = roots_lib.as_int(step, "step")
-    fmt, tmp_dir, _ = self._uncommitted(tmp_dir, "tmp_dir")
+    step = roots_lib.as_int(commit.step, "step")
+    fmt, tmp_dir, _ = self._uncommitted(commit.tmp_dir, "tmp_dir")
     own = self._tier.find_tmp(tmp_dir)
     if (own is None or owner not in own.owners or own.step != step
         or own.committed or own.takeover is not step_lib.Takeover.NONE):
@@ -393,8 +395,10 @@ class StepWriter:
           f"commit: tmp_dir {tmp_dir!r:.200} is not a step {step} this session staged on "
           f"host {self._host_id}, or is being committed already; a session commits only "
           "the save it began, once")
-    return self._commit(own, fmt, tmp_dir, num_hosts, leaves, shards, data_state,
-                        whole_step, replicas, extra)
+    replicas = (None if commit.replicas is None
+                else {h: list(p) for h, p in commit.replicas.items()})
+    return self._commit(own, fmt, tmp_dir, commit.num_hosts, commit.leaves, commit.shards,
+                        commit.data_state_json, commit.whole_step, replicas, commit.extra)
 
   def commit_agreed(self, own: step_lib.Step, shards: Sequence[ShardRecord], *,
                     plan: records.CommitPlan) -> str:

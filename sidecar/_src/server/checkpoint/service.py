@@ -325,31 +325,27 @@ class CheckpointService:
 
   def stage(self, r: ckpt_pb.CheckpointStageRequest, context: grpc.ServicerContext
             ) -> ckpt_pb.CheckpointStageResponse:
-    step = _step(r.step)
-    leaves = [wire.leaf_from_pb(leaf, f"leaves[{i}]") for i, leaf in enumerate(r.leaves)]
-    extra = wire.format_extra_from_pb(r, wire.STAGE_EXTRAS)
-    shards = wire.staged_from_pb(r, lambda ref: self._arena_io.view(ref, r.worker_session),
-                                 _STAGE_VIEWS.get())
-    plan = wire.plan_from_pb(r.plan, "plan") if r.HasField("plan") else None
+    _step(r.step)
+    stage = wire.stage_from_pb(r, lambda ref: self._arena_io.view(ref, r.worker_session),
+                               _STAGE_VIEWS.get())
     worker = r.worker_session  # the trainer that stages it is there while it is attached
     alive = (lambda: self._arena_io.is_attached(worker)) if worker else None
     begun, finish_tmp = (  # its first part on the host that begins it
-        self._begin(r.directory, step, r.begin_format, worker, context, tmp_dir=r.tmp_dir)
-        if r.begin_format else ("", None))
+        self._begin(stage.directory, stage.step, stage.begin_format, worker, context,
+                    tmp_dir=stage.tmp_dir)
+        if stage.begin_format else ("", None))
     try:  # checked and reserved under one lock (a quota that racing parts cannot pass)
-      with self._checkpoints.storage_reserved(self._client(context), r.directory,
-                                              sum(s.data.nbytes for s in shards)):
+      with self._checkpoints.storage_reserved(self._client(context), stage.directory,
+                                              sum(s.data.nbytes for s in stage.shards)):
         staged = self._checkpoints.writer.stage(
-            r.directory, step, r.tmp_dir, r.final_dir, leaves, shards, r.last,
-            writers=max(r.writers, 1), extra=extra, owner=_session(context), plan=plan,
-            worker=worker, alive=alive, finish_tmp=finish_tmp)
+            stage, owner=_session(context), worker=worker, alive=alive, finish_tmp=finish_tmp)
     except BaseException:
       if begun:  # as if never begun: the trainer's abort of a failed begin removes nothing
-        self._checkpoints.agreements.abort(r.final_dir)
-        self._checkpoints.writer.abort(begun, r.final_dir)
+        self._checkpoints.agreements.abort(stage.final_dir)
+        self._checkpoints.writer.abort(begun, stage.final_dir)
       raise
     finally:
-      shards.clear()  # a refused part lets its blocks go at once
+      stage.shards.clear()  # a refused part lets its blocks go at once
     return ckpt_pb.CheckpointStageResponse(staged_bytes=staged)
 
   def prepared(self, r: ckpt_pb.CheckpointPreparedRequest, context: grpc.ServicerContext
@@ -367,12 +363,7 @@ class CheckpointService:
               _timeout(0, context)))
     if r.num_hosts < 1:
       raise errors.InvalidArgumentError(f"num_hosts must be >= 1, got {r.num_hosts}")
-    leaves = [wire.leaf_from_pb(leaf, f"leaves[{i}]") for i, leaf in enumerate(r.leaves)]
-    written = [wire.record_from_pb(c, f"records[{i}]") for i, c in enumerate(r.records)]
-    committed = self._checkpoints.writer.commit(
-        r.tmp_dir, step, r.num_hosts, leaves, written, r.data_state_json, r.whole_step,
-        wire.replicas_from_pb(r.replicas) or None,
-        extra=wire.format_extra_from_pb(r, wire.COMMIT_EXTRAS), owner=_session(context))
+    committed = self._checkpoints.writer.commit(wire.commit_from_pb(r), owner=_session(context))
     return ckpt_pb.CheckpointCommitResponse(committed=committed)
 
   def committed(self, r: ckpt_pb.CheckpointCommittedRequest, _: grpc.ServicerContext

@@ -12,6 +12,7 @@ import pytest
 
 import sidecar
 from sidecar._src.ckptfmt import dcp, spec as spec_lib
+from sidecar._src.ckptfmt.phases import Commit, Stage
 from sidecar._src.ckptfmt.records import ShardId, ShardRecord
 from sidecar._src.server.checkpoint import roots as roots_lib
 from tests.support.pool_files import ALICE, BOB, controller, write_pool
@@ -66,24 +67,26 @@ def test_a_dcp_plan_item_at_an_absolute_path_is_refused_at_the_commit(make_serve
     client.open(0, str(path.parent), ram_steps=1, ram_budget=None, sweep=False).result()
     tmp = client.begin(0, str(path), 1, format=dcp.FORMAT).result()
     data = np.zeros(item.nbytes, np.uint8)
-    client.stage(0, directory=str(path.parent), step=1, tmp_dir=tmp, final_dir=str(path),
-                 leaves=[], shards=[staged(("w",), 0, (), data, rank=0)], last=True,
-                 extra=dcp.DcpPart(0, 1)).result()
+    client.stage(0, Stage(directory=str(path.parent), step=1, tmp_dir=tmp, final_dir=str(path),
+                          leaves=[], shards=[staged(("w",), 0, (), data, rank=0)], last=True,
+                          extra=dcp.DcpPart(0, 1))).result()
     sums = client.prepared(0, str(path), timeout=30).result()
     _, size = dcp.layout(0, [item])
     plan = {"version": 1, "state": {"w": {"kind": "bytes"}},
             "storage": [{"fqn": "w", "offset": None, "index": 0, "path": str(secret), "at": 0,
                          "length": item.nbytes}]}
     message = refused(ValueError, "plan_json storage[0].path", lambda: client.commit(
-        0, tmp_dir=tmp, step=1, num_hosts=1, leaves=[], shards=sums, data_state_json="",
-        whole_step=True, replicas=None, timeout=10,
-        extra=dcp.DcpCommit(b"\x80\x04N.", {0: size}, json.dumps(plan))).result())
+        0, Commit(tmp_dir=tmp, step=1, num_hosts=1, leaves=[], shards=sums, data_state_json="",
+                  whole_step=True, replicas=None,
+                  extra=dcp.DcpCommit(b"\x80\x04N.", {0: size}, json.dumps(plan))),
+        timeout=10).result())
     assert str(secret) in message and "__<rank>_0.distcp" in message, message
     plan["storage"][0]["path"] = "../alice.token"  # relative, but out of the directory
     refused(ValueError, "no empty, '.' or '..' component", lambda: client.commit(
-        0, tmp_dir=tmp, step=1, num_hosts=1, leaves=[], shards=sums, data_state_json="",
-        whole_step=True, replicas=None, timeout=10,
-        extra=dcp.DcpCommit(b"\x80\x04N.", {0: size}, json.dumps(plan))).result())
+        0, Commit(tmp_dir=tmp, step=1, num_hosts=1, leaves=[], shards=sums, data_state_json="",
+                  whole_step=True, replicas=None,
+                  extra=dcp.DcpCommit(b"\x80\x04N.", {0: size}, json.dumps(plan))),
+        timeout=10).result())
     assert not path.exists()  # nothing committed, so nothing reads the token from storage
     client.abort(0, tmp, str(path), timeout=10).result()
 
@@ -108,9 +111,9 @@ def test_an_orbax_leaf_key_that_is_an_absolute_path_is_refused(make_server, tmp_
       evil = staged((key,), 0, ((0, W.size),), np.full_like(W, 666.0))
       refused(ValueError, "leaves[0].key_path must be a name",
               lambda leaf=leaf, evil=evil: client.stage(
-                  0, directory=str(directory), step=1, tmp_dir=f"{tmp}/default",
-                  final_dir=str(directory / "1" / "default"), leaves=[leaf],
-                  shards=[evil], last=True).result())
+                  0, Stage(directory=str(directory), step=1, tmp_dir=f"{tmp}/default",
+                           final_dir=str(directory / "1" / "default"), leaves=[leaf],
+                           shards=[evil], last=True)).result())
       refused(ValueError, "record.shard.key_path must be a name", lambda key=key: client.read(
           0, str(directory / "1" / "default"),
           ShardRecord.of(ShardId((key,), ((0, W.size),)), 0, W), tier="any").result())
@@ -187,12 +190,13 @@ def _race(server, tmp_path, directory_of) -> int:
       final = str(directory / "1" / "default")
       barrier.wait(30)
       try:
-        client.stage(0, directory=directory_of(directory, tmp), step=1,
-                     tmp_dir=f"{tmp}/default", final_dir=final, leaves=[leaf],
-                     shards=[staged(("w",), 0, ((0, BIG.size),), BIG)], last=True).result()
+        client.stage(0, Stage(directory=directory_of(directory, tmp), step=1,
+                              tmp_dir=f"{tmp}/default", final_dir=final, leaves=[leaf],
+                              shards=[staged(("w",), 0, ((0, BIG.size),), BIG)],
+                              last=True)).result()
         sums = client.prepared(0, final, timeout=30).result()
-        client.commit(0, tmp_dir=f"{tmp}/default", step=1, num_hosts=1, leaves=[leaf],
-                      shards=sums, data_state_json="", whole_step=True, replicas=None,
+        client.commit(0, Commit(tmp_dir=f"{tmp}/default", step=1, num_hosts=1, leaves=[leaf],
+                                shards=sums, data_state_json="", whole_step=True, replicas=None),
                       timeout=30).result()
         committed.append(i)
       except sidecar.SidecarError:
@@ -316,15 +320,16 @@ def test_a_plan_nested_past_the_interpreters_depth_is_an_invalid_argument(make_s
     client.open(0, str(path.parent), ram_steps=1, ram_budget=None, sweep=False).result()
     tmp = client.begin(0, str(path), 1, format=dcp.FORMAT).result()
     item = dcp.Item(fqn="w", kind="bytes", nbytes=8)
-    client.stage(0, directory=str(path.parent), step=1, tmp_dir=tmp, final_dir=str(path),
-                 leaves=[], shards=[staged(("w",), 0, (), np.zeros(8, np.uint8), rank=0)],
-                 last=True,
-                 extra=dcp.DcpPart(0, 1)).result()
+    client.stage(0, Stage(directory=str(path.parent), step=1, tmp_dir=tmp, final_dir=str(path),
+                          leaves=[], shards=[staged(("w",), 0, (), np.zeros(8, np.uint8), rank=0)],
+                          last=True,
+                          extra=dcp.DcpPart(0, 1))).result()
     sums = client.prepared(0, str(path), timeout=30).result()
     _, size = dcp.layout(0, [item])
     refused(sidecar.InvalidArgumentError, "nested too deeply", lambda: client.commit(
-        0, tmp_dir=tmp, step=1, num_hosts=1, leaves=[], shards=sums, data_state_json="",
-        whole_step=True, replicas=None, timeout=10,
-        extra=dcp.DcpCommit(b"\x80\x04N.", {0: size}, "[" * 100_000 + "]" * 100_000)).result())
+        0, Commit(tmp_dir=tmp, step=1, num_hosts=1, leaves=[], shards=sums, data_state_json="",
+                  whole_step=True, replicas=None,
+                  extra=dcp.DcpCommit(b"\x80\x04N.", {0: size}, "[" * 100_000 + "]" * 100_000)),
+        timeout=10).result())
     assert not path.exists()
     client.abort(0, tmp, str(path), timeout=10).result()

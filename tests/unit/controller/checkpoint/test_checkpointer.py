@@ -120,13 +120,13 @@ class OwnTmp(FakeSidecars):
   def begin(self, host, directory, step, format=""):
     return self._phase("begin", host, f"{directory}/{step}.orbax-checkpoint-tmp-1234")
 
-  def stage(self, host, *, tmp_dir, **kw):
-    self.tmp_dirs.append(("stage", tmp_dir))
-    return super().stage(host, tmp_dir=tmp_dir, **kw)
+  def stage(self, host, stage):
+    self.tmp_dirs.append(("stage", stage.tmp_dir))
+    return super().stage(host, stage)
 
-  def commit(self, host, *, tmp_dir, **kw):
-    self.tmp_dirs.append(("commit", tmp_dir))
-    return super().commit(host, tmp_dir=tmp_dir, **kw)
+  def commit(self, host, commit, *, timeout):
+    self.tmp_dirs.append(("commit", commit.tmp_dir))
+    return super().commit(host, commit, timeout=timeout)
 
 
 def test_a_step_is_written_in_the_tmp_directory_begin_answered():
@@ -146,9 +146,9 @@ class BeginsByStage(FakeSidecars):
     super().__init__(**kw)
     self.begins: list[tuple[int, str]] = []
 
-  def stage(self, host, *, begin_format="", **kw):
-    self.begins.append((host, begin_format))
-    return super().stage(host, begin_format=begin_format, **kw)
+  def stage(self, host, stage):
+    self.begins.append((host, stage.begin_format))
+    return super().stage(host, stage)
 
 
 def test_a_process_that_stages_on_one_host_begins_its_step_with_its_first_stage():

@@ -8,6 +8,7 @@ import threading
 import grpc
 import pytest
 
+from sidecar._src.ckptfmt.phases import Stage
 from sidecar._src.controller.checkpoint.client import CheckpointClient
 from sidecar._src.controller.connection import CallWindow
 from sidecar._src.core import errors
@@ -100,9 +101,10 @@ def stage_on(method, *, begin_format, thread="finisher"):
   got = []
 
   def stage():
-    f = client.stage(0, directory="/ckpt", step=1, tmp_dir="/ckpt/1.orbax-checkpoint-tmp/default",
-                     final_dir="/ckpt/1/default", leaves=[], shards=[], last=True,
-                     begin_format=begin_format)
+    f = client.stage(0, Stage(directory="/ckpt", step=1,
+                              tmp_dir="/ckpt/1.orbax-checkpoint-tmp/default",
+                              final_dir="/ckpt/1/default", leaves=[], shards=[], last=True,
+                              begin_format=begin_format))
     got.append((f, f.done()))
   if thread == "main":
     stage()

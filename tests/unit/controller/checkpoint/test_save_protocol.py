@@ -49,8 +49,9 @@ class Recording(FakeSidecars):
     super().__init__(hosts)
     self.sent: list[tuple] = []
 
-  def stage(self, host, *, leaves, shards, last, writers=1, extra=None, **kw):
-    self.sent.append(("stage", host, len(shards), last, writers, extra))
+  def stage(self, host, stage):
+    self.sent.append(("stage", host, len(stage.shards), stage.last, stage.writers,
+                      stage.extra))
     return self._phase("stage", host, 0)
 
   def abort(self, host, tmp_dir, final_dir, *, timeout):
@@ -356,14 +357,15 @@ class LayoutSidecars(FakeSidecars):
     assert format == self.fmt.name, format
     return self._phase("begin", host, self.fmt.tmp_of(directory, step))
 
-  def stage(self, host, *, tmp_dir, final_dir, **kw):
-    self.staged_at.append((tmp_dir, final_dir))
-    return super().stage(host, tmp_dir=tmp_dir, final_dir=final_dir, **kw)
+  def stage(self, host, stage):
+    self.staged_at.append((stage.tmp_dir, stage.final_dir))
+    return super().stage(host, stage)
 
-  def commit(self, host, *, tmp_dir, step, num_hosts, leaves, shards, data_state_json,
-             whole_step, replicas, timeout, extra=None, taken_over=False):
+  def commit(self, host, commit, *, timeout):
+    tmp_dir, step, leaves, shards = commit.tmp_dir, commit.step, commit.leaves, commit.shards
+    data_state_json = commit.data_state_json
     found = self.fmt.final_of(pathlib.Path(tmp_dir))
-    if taken_over:  # as FakeSidecars': the sidecars' agreement
+    if commit.taken_over:  # as FakeSidecars': the sidecars' agreement
       leaves, shards, data_state_json, _ = self.agreed(host, tmp_dir, final_dir=str(found.final))
     self.manifests[str(found.final)] = Manifest(
         self.fmt.name, tuple(SavedLeaf.of(s) for s in leaves), tuple(shards),

@@ -38,10 +38,10 @@ class Arena(FakeSidecars):
     self.on_alloc()
     return [(np.empty(a.shape, a.dtype), None) for a in arrays]
 
-  def stage(self, host, *, shards, last, **kw):
+  def stage(self, host, stage):
     self.stagers.append(threading.get_ident())
-    self.stage_sizes.append((len(shards), last))
-    return super().stage(host, shards=shards, last=last, **kw)
+    self.stage_sizes.append((len(stage.shards), stage.last))
+    return super().stage(host, stage)
 
 
 def items(n: int) -> tuple[Item, ...]:

@@ -14,6 +14,7 @@ import pytest
 
 from sidecar._src.ckptfmt import records, registry as formats_lib, spec as spec_lib
 from sidecar._src.ckptfmt.orbax.format import OrbaxFormat
+from sidecar._src.ckptfmt.phases import Commit, Stage
 from sidecar._src.ckptfmt.records import CommitPlan
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
@@ -116,9 +117,10 @@ def begin(hosts, tmp_path, *, alive=lambda: True):
 def stage(host, directory, tmp_dir, final, *, rows, plan, alive):
   """The host's part of step 3 (rows ``rows`` of ``w``), its last, with ``plan``."""
   data = np.full((rows[1] - rows[0], 2), float(host.id + 1), np.float32)
-  return host.writer.stage(directory, STEP, tmp_dir, final, SPECS,
-                           [staged(("w",), 0, (rows, (0, 2)), data)], last=True,
-                           owner="trainer", plan=plan, worker=f"w{host.id}", alive=alive)
+  return host.writer.stage(Stage(directory, STEP, tmp_dir, final, SPECS,
+                                 [staged(("w",), 0, (rows, (0, 2)), data)], last=True,
+                                 plan=plan),
+                           owner="trainer", worker=f"w{host.id}", alive=alive)
 
 
 def plan(hosts=(0, 1), **kw):
@@ -230,7 +232,7 @@ def test_one_host_commits_a_step_whose_trainer_died_and_refuses_the_trainers_com
   stage(hosts[0], directory, tmp_dir, final, rows=(0, 4), plan=plan(hosts=(0,)),
         alive=lambda: False)
   with pytest.raises(errors.PermissionDeniedError, match="being committed already"):
-    hosts[0].writer.commit(tmp_dir, STEP, 1, SPECS, [], "", True, owner="trainer")
+    hosts[0].writer.commit(Commit(tmp_dir, STEP, 1, SPECS, [], "", True), owner="trainer")
   fmt.gates[0].set()
   assert hosts[0].agreements.await_commit(os.path.realpath(tmp_dir), STEP, "trainer",
                                           30) == str(tmp_path / "ck" / str(STEP))

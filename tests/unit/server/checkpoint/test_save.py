@@ -16,6 +16,7 @@ import pytest
 from sidecar._src.ckptfmt import records, registry as formats_lib, spec as spec_lib
 from sidecar._src.ckptfmt.dcp import distcp
 from sidecar._src.ckptfmt.orbax.format import OrbaxFormat
+from sidecar._src.ckptfmt.phases import Commit, Stage
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
 from sidecar._src.server.checkpoint import (
@@ -96,8 +97,8 @@ def test_parts_are_written_as_they_come_and_two_writers_make_one_step(make_write
   engine = Recording()
   writer, tier = make_writer(engine)
   directory, tmp_dir, final = begun(writer, tmp_path, 3)
-  stage = lambda shards, last, owner: writer.stage(directory, 3, tmp_dir, final, SPECS,
-                                                   shards, last=last, writers=2, owner=owner)
+  stage = lambda shards, last, owner: writer.stage(Stage(directory, 3, tmp_dir, final, SPECS,
+                                                         shards, last=last, writers=2), owner=owner)
   stage([shard(0, ((0, 2), (0, 2)), 1.0)], False, "a")
   assert engine.first.wait(30)  # written before the rest is staged
   assert engine.seen == [(0, ((0, 2), (0, 2)))]
@@ -107,7 +108,7 @@ def test_parts_are_written_as_they_come_and_two_writers_make_one_step(make_write
   sums = writer.prepared(final, timeout=30)
   assert sorted((c.key_path, c.index, c.host) for c in sums) == [
       (("b",), ((0, 3),), 0), (("w",), ((0, 2), (0, 2)), 0), (("w",), ((2, 4), (0, 2)), 0)]
-  committed = writer.commit(tmp_dir, 3, 1, SPECS, sums, '{"batch": 5}', True, owner="a")
+  committed = writer.commit(Commit(tmp_dir, 3, 1, SPECS, sums, '{"batch": 5}', True), owner="a")
   assert committed == str(tmp_path / "ck" / "3")
   with open(os.path.join(final, records.MANIFEST_FILE)) as f:
     manifest = json.load(f)
@@ -121,14 +122,14 @@ def test_a_write_failure_is_a_checkpoint_write_error_and_the_step_is_never_commi
   writer, _ = make_writer(Recording(fail=OSError(errno.ENOSPC, "No space left on device",
                                                  path)))
   directory, tmp_dir, final = begun(writer, tmp_path, 4)
-  writer.stage(directory, 4, tmp_dir, final, SPECS, [shard(1, ((0, 3),), 1)], last=True,
+  writer.stage(Stage(directory, 4, tmp_dir, final, SPECS, [shard(1, ((0, 3),), 1)], last=True),
                owner="a")
   with pytest.raises(errors.CheckpointWriteError, match=r"host 0 could not write step 4: "
                      r"No space left on device \(ENOSPC\)") as e:
     writer.prepared(final, timeout=30)
   assert (e.value.errno, e.value.path, e.value.host_id) == (errno.ENOSPC, path, 0)
   with pytest.raises(errors.InvalidArgumentError, match="failed to write on host 0 "):
-    writer.commit(tmp_dir, 4, 1, SPECS, [], "", True, owner="a")
+    writer.commit(Commit(tmp_dir, 4, 1, SPECS, [], "", True), owner="a")
   writer.abort(os.path.dirname(tmp_dir), final)
   assert os.listdir(directory) == []  # no step, no tmp directory
 
@@ -138,7 +139,7 @@ def test_abort_stops_a_writer_waiting_for_parts_and_lets_the_blocks_go(make_writ
   writer, tier = make_writer(engine)
   directory, tmp_dir, final = begun(writer, tmp_path, 5)
   part = [shard(0, ((0, 2), (0, 2)), 1.0)]
-  writer.stage(directory, 5, tmp_dir, final, SPECS, part, last=False, owner="a")
+  writer.stage(Stage(directory, 5, tmp_dir, final, SPECS, part, last=False), owner="a")
   assert engine.first.wait(30)
   own = tier.find(final)
   writer.abort(os.path.dirname(tmp_dir), final)
@@ -151,18 +152,18 @@ def test_abort_stops_a_writer_waiting_for_parts_and_lets_the_blocks_go(make_writ
 def test_another_session_neither_stages_into_nor_commits_a_save(make_writer, tmp_path):
   writer, _ = make_writer(Recording())
   directory, tmp_dir, final = begun(writer, tmp_path, 6)
-  writer.stage(directory, 6, tmp_dir, final, SPECS, [shard(1, ((0, 3),), 1)], last=False,
+  writer.stage(Stage(directory, 6, tmp_dir, final, SPECS, [shard(1, ((0, 3),), 1)], last=False),
                owner="a")
   with pytest.raises(errors.PermissionDeniedError, match="being saved by another session"):
-    writer.stage(directory, 6, tmp_dir, final, SPECS, [], last=True, owner="b")
+    writer.stage(Stage(directory, 6, tmp_dir, final, SPECS, [], last=True), owner="b")
   with pytest.raises(errors.PermissionDeniedError, match="being saved by another session"):
     writer.begin(directory, 6, owner="b")
-  writer.stage(directory, 6, tmp_dir, final, SPECS, [shard(0, ((0, 4), (0, 2)), 2.0)],
-               last=True, owner="a")
+  writer.stage(Stage(directory, 6, tmp_dir, final, SPECS, [shard(0, ((0, 4), (0, 2)), 2.0)],
+                     last=True), owner="a")
   sums = writer.prepared(final, timeout=30)
   with pytest.raises(errors.PermissionDeniedError, match="a session commits only the save"):
-    writer.commit(tmp_dir, 6, 1, SPECS, sums, "", True, owner="b")
-  writer.commit(tmp_dir, 6, 1, SPECS, sums, "", True, owner="a")
+    writer.commit(Commit(tmp_dir, 6, 1, SPECS, sums, "", True), owner="b")
+  writer.commit(Commit(tmp_dir, 6, 1, SPECS, sums, "", True), owner="a")
   assert sorted(os.listdir(directory)) == ["6"]
 
 
@@ -171,8 +172,9 @@ def test_a_shard_of_a_leaf_the_step_lacks_is_refused_and_nothing_is_staged(make_
   directory, tmp_dir, final = begun(writer, tmp_path, 7)
   with pytest.raises(errors.InvalidArgumentError,
                      match=r"^step 7 on host 0: shard of leaf 2: the step has 2 leaves$"):
-    writer.stage(directory, 7, tmp_dir, final, SPECS,
-                 [shard(1, ((0, 3),), 1), staged(("c",), 2, ((0, 1),), np.zeros(1))], last=False,
+    writer.stage(Stage(directory, 7, tmp_dir, final, SPECS,
+                       [shard(1, ((0, 3),), 1), staged(("c",), 2, ((0, 1),), np.zeros(1))],
+                       last=False),
                  owner="a")
   assert tier.find(final).shards == {} and tier.find(final).nbytes == 0
   writer.abort(os.path.dirname(tmp_dir), final)
@@ -192,8 +194,8 @@ def test_a_record_that_names_another_shard_is_refused(make_writer, tmp_path, bad
   writer, tier = make_writer(Recording())
   directory, tmp_dir, final = begun(writer, tmp_path, 7)
   with pytest.raises(errors.InvalidArgumentError, match=match):
-    writer.stage(directory, 7, tmp_dir, final, SPECS, [shard(0, ((0, 2), (0, 2)), 1), bad],
-                 last=False, owner="a")
+    writer.stage(Stage(directory, 7, tmp_dir, final, SPECS, [shard(0, ((0, 2), (0, 2)), 1), bad],
+                       last=False), owner="a")
   assert tier.find(final).shards == {} and tier.find(final).nbytes == 0
   writer.abort(os.path.dirname(tmp_dir), final)
 
@@ -205,7 +207,7 @@ def test_a_format_part_the_steps_format_does_not_take_is_refused(make_writer, tm
   with pytest.raises(errors.InvalidArgumentError,
                      match=r"stage: a Stage of a step in orbax's layout carries no format extra, "
                      r"got DcpPart"):
-    writer.stage(directory, 8, tmp_dir, final, SPECS, [], extra=DcpPart(0, 0), owner="a")
+    writer.stage(Stage(directory, 8, tmp_dir, final, SPECS, [], extra=DcpPart(0, 0)), owner="a")
   with pytest.raises(errors.InvalidArgumentError, match=r"format must be one of the registered "
                      rf"formats {NAMES}, got 'safetensors'"):
     writer.begin(directory, 9, format="safetensors", owner="a")
@@ -237,10 +239,10 @@ def test_a_begun_save_is_in_flight_until_committed_and_one_that_never_stages_goe
     make_writer, tmp_path, monkeypatch):
   writer, _ = make_writer(Recording())
   directory, tmp_dir, final = begun(writer, tmp_path, 3)  # its trainer's liveness not known
-  writer.stage(directory, 3, tmp_dir, final, SPECS, [shard(0, ((0, 4), (0, 2)), 1.0),
-                                                     shard(1, ((0, 3),), 1)], owner="a")
+  writer.stage(Stage(directory, 3, tmp_dir, final, SPECS, [shard(0, ((0, 4), (0, 2)), 1.0),
+                     shard(1, ((0, 3),), 1)]), owner="a")
   sums = writer.prepared(final, timeout=30)
-  writer.commit(tmp_dir, 3, 1, SPECS, sums, "", True, owner="a")
+  writer.commit(Commit(tmp_dir, 3, 1, SPECS, sums, "", True), owner="a")
   # Not refused as in flight (it ended): a race lost, the documented error, no FileExistsError.
   with pytest.raises(errors.PermissionDeniedError,
                      match=r"begin: step 3 of '.*ck' is being saved by another checkpointer, or "
@@ -331,7 +333,7 @@ def test_a_stage_that_begins_its_step_answers_before_its_metadata_is_written(mak
   assert os.listdir(leftover) == []  # made anew before it answers
   whole = [shard(0, ((0, 2), (0, 2)), 1.0), shard(0, ((2, 4), (0, 2)), 2.0),
            shard(1, ((0, 3),), 7)]
-  assert writer.stage(directory, 3, tmp_dir, final, SPECS, whole, last=True, owner="a",
+  assert writer.stage(Stage(directory, 3, tmp_dir, final, SPECS, whole, last=True), owner="a",
                       finish_tmp=finish) == 16 + 16 + 12
   assert engine.finishing.wait(30)  # its writer finishes it: held, and the Stage answered
   assert os.listdir(leftover) == [] and engine.seen == []
@@ -340,7 +342,7 @@ def test_a_stage_that_begins_its_step_answers_before_its_metadata_is_written(mak
   engine.release.set()
   sums = writer.prepared(final, timeout=30)
   assert engine.finished_on == ["sidecar-ckpt-3"]
-  assert writer.commit(tmp_dir, 3, 1, SPECS, sums, "", True, owner="a") == str(
+  assert writer.commit(Commit(tmp_dir, 3, 1, SPECS, sums, "", True), owner="a") == str(
       tmp_path / "ck" / "3")
   assert os.listdir(directory) == ["3"]
   assert not (tmp_path / "ck" / "3" / spec_lib.ITEM / "stale").exists()
@@ -358,16 +360,16 @@ def test_a_step_begun_by_a_stage_keeps_the_parts_other_hosts_wrote_before_it_fin
   ours, _ = make_writer(engine)
   theirs, _ = make_writer(Recording(), host=1)
   directory, tmp_dir, final, finish = begun_by_stage(ours, tmp_path, 4)
-  ours.stage(directory, 4, tmp_dir, final, SPECS, [shard(0, ((0, 2), (0, 2)), 1.0)],
-             last=True, owner="a", finish_tmp=finish)
+  ours.stage(Stage(directory, 4, tmp_dir, final, SPECS, [shard(0, ((0, 2), (0, 2)), 1.0)],
+                   last=True), owner="a", finish_tmp=finish)
   assert engine.finishing.wait(30)  # held: host 0's writer has not finished it yet
-  theirs.stage(directory, 4, tmp_dir, final, SPECS,  # host 1, told the step is begun
-               [shard(0, ((2, 4), (0, 2)), 2.0), shard(1, ((0, 3),), 7)], last=True,
+  theirs.stage(Stage(directory, 4, tmp_dir, final, SPECS,  # host 1, told the step is begun
+                     [shard(0, ((2, 4), (0, 2)), 2.0), shard(1, ((0, 3),), 7)], last=True),
                owner="a")
   written = theirs.prepared(final, timeout=30)  # host 1's part is on storage
   engine.release.set()
   sums = ours.prepared(final, timeout=30) + written
-  assert ours.commit(tmp_dir, 4, 2, SPECS, sums, "", True, owner="a") == str(
+  assert ours.commit(Commit(tmp_dir, 4, 2, SPECS, sums, "", True), owner="a") == str(
       tmp_path / "ck" / "4")
   committed = tmp_path / "ck" / "4" / spec_lib.ITEM
   assert sorted(os.listdir(committed / "array_metadatas")) == ["process_0", "process_1"]
@@ -381,7 +383,7 @@ def test_a_step_whose_directory_could_not_be_finished_fails_as_a_failed_write(ma
   engine = HeldFinish(fail=OSError(errno.ENOSPC, "No space left on device", "meta"))
   writer, tier = make_writer(engine)
   directory, tmp_dir, final, finish = begun_by_stage(writer, tmp_path, 4)
-  writer.stage(directory, 4, tmp_dir, final, SPECS, [shard(1, ((0, 3),), 7)], last=True,
+  writer.stage(Stage(directory, 4, tmp_dir, final, SPECS, [shard(1, ((0, 3),), 7)], last=True),
                owner="a", finish_tmp=finish)
   engine.release.set()
   with pytest.raises(errors.CheckpointWriteError,
@@ -390,7 +392,7 @@ def test_a_step_whose_directory_could_not_be_finished_fails_as_a_failed_write(ma
     writer.prepared(final, timeout=30)
   assert engine.seen == []  # nothing written
   with pytest.raises(errors.InvalidArgumentError, match="failed to write on host 0 "):
-    writer.commit(tmp_dir, 4, 1, SPECS, [], "", True, owner="a")
+    writer.commit(Commit(tmp_dir, 4, 1, SPECS, [], "", True), owner="a")
   writer.abort(os.path.dirname(tmp_dir), final)
   assert os.listdir(directory) == [] and tier.find(final) is None
   engine.fail_finishing = None
@@ -472,7 +474,7 @@ def test_tensorstores_full_disk_is_a_checkpoint_write_error_naming_the_file(make
       "device [os_error_code='28']")
   writer, _ = make_writer(Recording(fail=failure))
   directory, tmp_dir, final = begun(writer, tmp_path, 4)
-  writer.stage(directory, 4, tmp_dir, final, SPECS, [shard(1, ((0, 3),), 1)], owner="a")
+  writer.stage(Stage(directory, 4, tmp_dir, final, SPECS, [shard(1, ((0, 3),), 1)]), owner="a")
   with pytest.raises(errors.CheckpointWriteError, match=r"host 0 could not write step 4: No "
                      r"space left on device \(RESOURCE_EXHAUSTED") as e:
     writer.prepared(final, timeout=30)

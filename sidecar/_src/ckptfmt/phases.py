@@ -1,0 +1,85 @@
+"""A save's phases as the trainer sends them to a sidecar: one frozen value per phase.
+
+The trainer's side builds a phase's value once (``controller/checkpoint/save_protocol.py``),
+the transport hands it to ``wire/checkpoint_wire.py``, the one module that converts it to
+and from its protobuf request, and the sidecar's servicer hands the value it decoded,
+unchanged, to its writer (``server/checkpoint/save.py``). What the sidecar knows of the
+caller itself (its session, its worker, whether that is still attached) is no part of a
+phase's value: the writer takes it beside the value. A new field of a phase is one field
+here and its two lines in the wire module.
+
+- :class:`Stage`: a part of one host's shards of a step (its first carries the leaves
+  and may begin the step; its last may carry the sidecars' :class:`CommitPlan`).
+- :class:`Commit`: the commit of a step every host wrote (or the wait for the one the
+  sidecars agree on, ``taken_over``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from sidecar._src.ckptfmt.records import CommitPlan, ShardRecord, Staged
+from sidecar._src.ckptfmt.spec import LeafSpec
+
+__all__ = ["Commit", "Stage"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Stage:
+  """A part of one host's shards of step ``step`` of ``directory`` (the checkpoint
+  directory the step lies in), written into ``tmp_dir`` (the uncommitted item directory),
+  which is ``final_dir`` once committed (the RAM tier's key).
+
+  ``leaves``: the step's leaves (a host's first part carries them). ``shards``: this
+  part's shards, each record with its bytes beside it (a list: the sidecar lets a
+  refused part's blocks go at once by emptying it). ``last``: the sender's last part of
+  the step on this host; ``writers``: how many trainer processes stage into this host,
+  each sending its own ``last``. ``extra``: the typed extra of the step's format, if it has
+  one (a DCP rank's ``DcpPart``: its items, the shards' records' ``leaf`` numbering them).
+  ``plan`` (with ``last``): the sidecars commit the step themselves; the host takes it
+  over once its part is whole, before the call that made it whole answers.
+  ``begin_format``: this part begins the step first, as a Begin in that format would
+  (``tmp_dir`` where its save writes in what that makes): the first part on the host that
+  begins it; empty: begun already.
+  """
+
+  directory: str
+  step: int
+  tmp_dir: str
+  final_dir: str
+  leaves: Sequence[LeafSpec]
+  shards: list[Staged]
+  last: bool = True
+  writers: int = 1
+  extra: Any = None
+  plan: CommitPlan | None = None
+  begin_format: str = ""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Commit:
+  """The commit of step ``step`` staged in ``tmp_dir`` on ``num_hosts`` hosts, each of
+  which wrote its part: ``shards``, every host's records, written (their crc32c set).
+
+  ``leaves``: the step's leaves. ``data_state_json``: the data position the manifest
+  records. ``whole_step``: the commit renames the whole step (False: an Orbax handler's
+  item, which its CheckpointManager commits). ``replicas``: which hosts hold each host's
+  replicas (``{host: [hosts]}``), recorded in the manifest. ``extra``: the typed commit
+  extra of the step's format, if it has one (a DCP step's ``DcpCommit``: its metadata, file
+  sizes and plan). ``taken_over``: the sidecars commit the step themselves (its Stages
+  carried a plan naming this host its committer): this waits for that commit instead
+  (no ``shards`` given).
+  """
+
+  tmp_dir: str
+  step: int
+  num_hosts: int
+  leaves: Sequence[LeafSpec]
+  shards: Sequence[ShardRecord]
+  data_state_json: str
+  whole_step: bool
+  replicas: Mapping[int, Sequence[int]] | None = None
+  extra: Any = None
+  taken_over: bool = False
