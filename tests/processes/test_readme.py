@@ -43,11 +43,12 @@ def _as_here(block: str, tmp_path) -> str:
   """A README sh block, for this checkout: its python and sidecar, its files in tmp_path,
   scaled by LM_SCALE (each must be in the block: the test breaks where the README moves)."""
   assert not re.search(r"/tmp(?![/ ])", block), block  # each one replaced below
+  # The block's /tmp first: a checkout under /tmp has its interpreter there too.
+  block = block.replace("/tmp/", f"{tmp_path}/").replace("--checkpoint-root /tmp ",
+                                                         f"--checkpoint-root {tmp_path} ")
   block = block.replace(".venv/bin/pip install -e '.[lm]'", ":")  # the test install has it
   block = block.replace(".venv/bin/python", sys.executable)
   block = block.replace(".venv/bin/sidecar", f"{sys.executable} -m sidecar")
-  block = block.replace("/tmp/", f"{tmp_path}/").replace("--checkpoint-root /tmp ",
-                                                         f"--checkpoint-root {tmp_path} ")
   for written, here in LM_SCALE.items():
     if written in block:
       block = block.replace(written, here)
