@@ -12,6 +12,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import grpc
 
@@ -82,6 +83,9 @@ class _Queued:
   what: str
 
 
+_T = TypeVar("_T")
+
+
 class CallWindow:
   """At most ``size`` calls in flight on one connection; the others wait their turn.
 
@@ -89,7 +93,8 @@ class CallWindow:
   window has room; ``done(rpc)`` runs when it ends (after its slot is free again);
   ``fail(error)`` instead where it was never sent: its deadline passed in the queue
   (DeadlineExceededError), the window closed (ClosedError), or ``send`` raised.
-  ``enter(timeout)`` / ``exit()`` around a call a thread makes itself, blocking.
+  ``enter(timeout)`` / ``exit()`` around a call a thread makes itself, blocking
+  (``blocking(call, ...)`` makes one between them).
   A thread of the window's own fails queued calls at their deadlines; ``close()``
   fails the rest and joins it.
   """
@@ -150,6 +155,24 @@ class CallWindow:
   def exit(self) -> None:
     """Gives back the slot of a call made after ``enter``."""
     self._run(self._next())
+
+  def blocking(self, call: Callable[[float], _T], *, timeout: float, what: str) -> _T:
+    """``call(seconds_left)``'s result, made on this thread in a slot of the window (a
+    call whose caller waits for it at once: no thread of gRPC's to wait for the answer).
+    Raises what ``call`` raises; DeadlineExceededError where no slot came in ``timeout``;
+    ClosedError where the window is, or closed meanwhile (gRPC's "Channel closed!")."""
+    deadline = time.monotonic() + timeout
+    if not self.enter(timeout):
+      raise self.waited_too_long(what, timeout)
+    try:
+      return call(max(deadline - time.monotonic(), 0.0))
+    except ValueError:
+      if self.closed:  # gRPC: "Channel closed!"
+        raise errors.ClosedError(f"{what} was not sent: the connection to {self._name} "
+                                 "closed") from None
+      raise
+    finally:
+      self.exit()
 
   def close(self) -> None:
     """Fails every queued call (ClosedError) and stops the expiring thread; idempotent."""

@@ -92,27 +92,16 @@ class _Call:
     if threading.current_thread() is threading.main_thread():
       self.send()
       return
-    window = self._conn.checkpoint_calls
-    timeout = self._deadline - time.monotonic()
+    conn = self._conn
     try:
-      if not window.enter(timeout):
-        raise window.waited_too_long(
-            f"checkpoint rpc {self._method} on host {self._host}", timeout)
-    except Exception as e:  # closed
+      answer = conn.checkpoint_calls.blocking(
+          lambda left: _Answer(getattr(conn.checkpoint, self._method), self._request, left,
+                               conn.metadata),
+          timeout=self._deadline - time.monotonic(),
+          what=f"checkpoint rpc {self._method} on host {self._host}")
+    except Exception as e:  # no slot in time, closed, or not sent
       self.fail(e)
       return
-    try:
-      conn = self._conn
-      answer = _Answer(getattr(conn.checkpoint, self._method), self._request,
-                       max(self._deadline - time.monotonic(), 0.0), conn.metadata)
-    except Exception as e:
-      if isinstance(e, ValueError) and window.closed:  # gRPC: "Channel closed!"
-        e = errors.ClosedError(f"checkpoint rpc {self._method} on host {self._host} was not "
-                               "sent: the connection to it closed")
-      self.fail(e)
-      return
-    finally:
-      window.exit()
     self._done(answer)
 
   def _start(self, left: float) -> grpc.Future:
