@@ -436,11 +436,12 @@ def test_stopping_mid_save_aborts_the_staging_and_joins_the_threads(make_server,
                           final_dir=directory + "/3/default", leaves=[spec],
                           shards=[staged(("w",), 0, ((0, 1), (0, n)), part)], last=False)).result()
     del part
-    writers = [t for t in threading.enumerate() if t.name == "sidecar-ckpt-3"]
-    # Waiting for the second part; a starter thread starts it, so it may not have run yet.
-    assert len(writers) == 1 and eventually(writers[0].is_alive)
+    writers = lambda: [t for t in threading.enumerate() if t.name == "sidecar-ckpt-3"]
+    # Waiting for the second part; a starter thread starts it, so it may not exist yet.
+    assert eventually(lambda: len(writers()) == 1)
+    writer, = writers()
   server.stop()
-  assert not writers[0].is_alive()  # joined by stop(), not left to its 60 s stage timeout
+  assert not writer.is_alive()  # joined by stop(), not left to its 60 s stage timeout
   assert releasers() == before  # and the thread that hands blocks back
   assert "is stopping mid-save of step 3" in caplog.text
 
