@@ -21,7 +21,8 @@ ready), and to the failed step computed again (the steps re-done from the restor
 one included). For in-process, the Rollback's own figures beside them: its whole
 ``recover()``; the wait for a save in flight to be staged (its copy off the devices) where
 the sidecars took it over and it is restored from their RAM tier; the restore; the wait
-for a save in flight to be durable where they had not. Prints a table and one JSON line.
+for a save in flight to be durable where they had not; the tier restored from ("device": the
+save's copies on the devices, not staged yet). Prints a table and one JSON line.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ DEVICE_COPIES = (
     "sidecar.jax.Controller._default_framework = staticmethod("
     "lambda: JaxFramework(device_copies=True)); "
     "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+TIER = re.compile(r"rolled back in-process to step \d+ \((\w+) tier")
 ROLLBACK = re.compile(r"(taken over and not durable yet, ([\d.]+) s waiting for its copy, )?"
                       r"restored in ([\d.]+) s(?:, ([\d.]+) s waiting for the save in flight)?"
                       r"\) in ([\d.]+) s")
@@ -90,6 +92,8 @@ def run(way: str, *, config: str, data: str, work: str, fail_at: int, save_every
     result.update(restore_s=float(rolled.group(3)), waited_s=float(rolled.group(4) or 0),
                   recover_s=float(rolled.group(5)), taken_over=rolled.group(1) is not None,
                   staged_s=float(rolled.group(2) or 0))
+  if (tier := TIER.search(log)) is not None:
+    result["tier"] = tier.group(1)
   return result
 
 
@@ -137,11 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     nxt, again = mean(way, "next_step_s"), mean(way, "failed_step_again_s")
     rows.append([way, f"{nxt:.3f}", f"{again:.3f}", f"{base / nxt:.1f}x" if base and nxt else "-",
                  *(f"{v:.3f}" if (v := mean(way, k)) is not None else "-"
-                   for k in ("recover_s", "staged_s", "restore_s", "waited_s"))])
+                   for k in ("recover_s", "staged_s", "restore_s", "waited_s")),
+                 ",".join(sorted({r.get("tier", "-") for r in results[way]}))])
   print(f"{args.config} config, step {args.fail_at} raises, saves every {args.save_every}; "
         f"means of {args.rounds} rounds, seconds from the exception")
   print(table(["way", "next step", "failed step again", "vs restart", "recover()",
-               "copy wait", "restore", "save wait"], rows))
+               "copy wait", "restore", "save wait", "tier"], rows))
   print(json.dumps({"config": args.config, "fail_at": args.fail_at,
                     "save_every": args.save_every, "rounds": results}))
   return 0
