@@ -361,11 +361,17 @@ class SaveRunner:
     late = tuple((c.record, c.data) for c in copies if isinstance(c.data, DeviceCopy))
     if not late:
       return
-    self.on_device = held = OnDevice(step, late, data_state_json)
+    self.on_device = OnDevice(step, late, data_state_json)
+    # The callback stays with the handle (a Future keeps its callbacks): it lets go of
+    # the copies once run, so that a copy that failed holds no device buffer after it.
+    box: list[OnDevice | None] = [self.on_device]
 
     def staged(_: concurrent.futures.Future) -> None:
+      held, box[0] = box[0], None
+      if held is None:
+        return
       held.release()
-      if self.on_device is held:  # a copy that failed leaves no device buffer held here
+      if self.on_device is held:
         self.on_device = None
     ending.handle.staged.add_done_callback(staged)
 
