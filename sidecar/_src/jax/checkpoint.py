@@ -147,7 +147,8 @@ class _Pieces:
       self.started += 1
 
   def take(self, i: int) -> np.ndarray:
-    """Piece ``i`` in host memory (waits for it); the device's piece goes."""
+    """Piece ``i`` in host memory (waits for it); the device's piece goes (once
+    released: :meth:`release`)."""
     self.start_through(i + PIECES_IN_FLIGHT - 1)
     a, self.arrays[i] = self.arrays[i], None
     if a is None:
@@ -230,6 +231,7 @@ _join = jax.jit(_join_pieces, static_argnums=1)
 def _copies(pieces: list[jax.Array]) -> list[jax.Array]:
   """Each whole piece (a shard) copied on its device by the runtime: no program."""
   return [jax.device_put(p, p.sharding, may_alias=False) for p in pieces]
+
 
 # The compiled splits and their joins (``_join``: the pieces made shards again, for a
 # rollback), by what they split: (device, each shard's shape and dtype, its rows); None
