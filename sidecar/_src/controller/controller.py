@@ -153,12 +153,16 @@ class Controller:
   def _mapped_workers(self) -> list[worker_lib.Worker]:
     return [w for h, w in self._sidecars.workers.items() if h not in self._sidecars.lost]
 
-  def phase(self, name: str, /, *, budget_s: float) -> contextlib.AbstractContextManager[None]:
+  def phase(self, name: str, /, *, budget_s: float, until_step: bool = False
+            ) -> contextlib.AbstractContextManager[None]:
     """A long phase without steps (an evaluation, a large restore): while it lasts, the
     stall rule of the sidecars this process maps waits up to ``budget_s`` seconds for a
     step before it counts this trainer as stalled (``sidecar launch --stall-timeout``;
     docs/elastic.md). Its start and end count as steps; its length never counts as the
-    slowest step.
+    slowest step. With ``until_step``, it ends at the next completed step (the second
+    batch this process's thread takes from a feed after it began), or at the block's end
+    if that comes first: a block that restores, re-meshes and then trains, whose first
+    step recompiles (``sidecar.elastic.retry`` runs each attempt so).
 
     Example::
 
@@ -169,6 +173,8 @@ class Controller:
       InvalidArgumentError: ``name`` not 1..64 printable characters, or ``budget_s`` not
         seconds in (0, 86400].
     """
+    if until_step:
+      return self._startup.until_step(name, budget_s)
     return startup.phase(self._mapped_workers, name, budget_s)
 
   def _goodput_ledger(self) -> goodput_lib.LedgerClient | None:

@@ -309,6 +309,11 @@ class StepWriter:
             f"stage: step {own.step} at {final_dir!r:.200} is being saved by another "
             f"session on host {self._host_id}; only the session that began a save stages "
             "its parts")
+      if (own is not None and phase is step_lib.Phase.FAILED and own.tmp_dir == tmp_dir
+          and owner in own.owners and finish_tmp is None):  # a later part of a failed save
+        assert own.error is not None
+        raise write_lib.write_failure(self._host_id, step, final_dir, own.error,
+                                      tmp_dir=tmp_dir)
       if own is None or not writing:
         own = step_lib.Step(directory, step, final_dir, tmp_dir=tmp_dir, writers=writers,
                             format=fmt.name, numbering=fmt.numbering(leaves))

@@ -357,6 +357,22 @@ def test_an_orbax_managers_item_is_saved_on_the_live_hosts_a_loss_leaves():
     assert {h for _, h in fake.calls} == {0, 1} and ("stage", 1) in fake.calls
 
 
+def test_the_deprecated_save_to_saves_on_the_live_hosts_a_loss_leaves():
+  """Issue 69: ``Checkpointer.save_to`` follows the controller's live hosts as save() and
+  save_item do: once host 2 is seen lost, its next item is saved on hosts 0 and 1 only."""
+  fake, watch = FakeSidecars(hosts=(0, 1, 2)), [0, 1, 2]
+  state = {"x": np.full(3, 1, np.float32)}
+  with checkpointer(fake, live=lambda: tuple(watch)) as ckpt:
+    with pytest.warns(DeprecationWarning, match="Checkpointer.save_to is deprecated"):
+      assert ckpt.save_to(item_target(1), state).durable.result(30) == 1
+    fake.hosts.remove(2)  # its sidecar dies, and the watch sees it
+    watch.remove(2)
+    fake.calls.clear()
+    with pytest.warns(DeprecationWarning, match="Checkpointer.save_to is deprecated"):
+      assert ckpt.save_to(item_target(2), state).durable.result(30) == 2
+    assert {h for _, h in fake.calls} == {0, 1} and ("stage", 1) in fake.calls
+
+
 def test_the_orbax_managers_old_doors_warn_and_still_work():
   fake, state = FakeSidecars(), {"w": np.arange(6, dtype=np.float32)}
   new = "use sidecar.orbax.SidecarCheckpointHandler"

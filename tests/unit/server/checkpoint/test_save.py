@@ -134,6 +134,31 @@ def test_a_write_failure_is_a_checkpoint_write_error_and_the_step_is_never_commi
   assert os.listdir(directory) == []  # no step, no tmp directory
 
 
+def test_a_part_staged_after_its_saves_write_failed_is_told_the_failure(make_writer, tmp_path):
+  """Issue 69 review: the write fails while its trainer is still staging. Its next part got
+  the failure only if it came in the microsecond between the Stage's look at the step and
+  its take; a moment later the failed step had left the tier and the part began a new,
+  partial step (its commit then 'incomplete'). Now every later part is told the failure,
+  and the trainer's abort removes the step."""
+  path = str(tmp_path / "ck" / "w" / "0")
+  engine = Recording(fail=OSError(errno.ENOSPC, "No space left on device", path))
+  writer, tier = make_writer(engine)
+  directory, tmp_dir, final = begun(writer, tmp_path, 4)
+  part = lambda shards, last: writer.stage(
+      Stage(directory, 4, tmp_dir, final, SPECS, shards, last=last), owner="a", worker="w",
+      alive=lambda: True)
+  part([shard(0, ((0, 2), (0, 2)), 1.0)], False)
+  own = tier.find(final)
+  assert own.wait_written(30) and own.phase is step_lib.Phase.FAILED
+  for _ in range(2):
+    with pytest.raises(errors.CheckpointWriteError, match=r"^host 0 could not write step 4: "
+                       r"No space left on device \(ENOSPC\)"):
+      part([shard(0, ((2, 4), (0, 2)), 2.0), shard(1, ((0, 3),), 7)], True)
+  assert tier.find(final) is own  # nothing new begun in its place
+  writer.abort(os.path.dirname(tmp_dir), final)
+  assert tier.find(final) is None and own.phase is step_lib.Phase.DROPPED
+
+
 def test_abort_stops_a_writer_waiting_for_parts_and_lets_the_blocks_go(make_writer, tmp_path):
   engine = Recording()
   writer, tier = make_writer(engine)
