@@ -6,7 +6,8 @@ and from its protobuf request, and the sidecar's servicer hands the value it dec
 unchanged, to its writer (``server/checkpoint/save.py``). What the sidecar knows of the
 caller itself (its session, its worker, whether that is still attached) is no part of a
 phase's value: the writer takes it beside the value. A new field of a phase is one field
-here and its two lines in the wire module.
+here and its two lines in the wire module. A value's sequences are tuples (a list given
+becomes one): nothing that holds a value changes it.
 
 - :class:`Stage`: a part of one host's shards of a step (its first carries the leaves
   and may begin the step; its last may carry the sidecars' :class:`CommitPlan`).
@@ -17,6 +18,7 @@ here and its two lines in the wire module.
 from __future__ import annotations
 
 import dataclasses
+import types
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -33,8 +35,7 @@ class Stage:
   which is ``final_dir`` once committed (the RAM tier's key).
 
   ``leaves``: the step's leaves (a host's first part carries them). ``shards``: this
-  part's shards, each record with its bytes beside it (a list: the sidecar lets a
-  refused part's blocks go at once by emptying it). ``last``: the sender's last part of
+  part's shards, each record with its bytes beside it. ``last``: the sender's last part of
   the step on this host; ``writers``: how many trainer processes stage into this host,
   each sending its own ``last``. ``extra``: the typed extra of the step's format, if it has
   one (a DCP rank's ``DcpPart``: its items, the shards' records' ``leaf`` numbering them).
@@ -50,12 +51,15 @@ class Stage:
   tmp_dir: str
   final_dir: str
   leaves: Sequence[LeafSpec]
-  shards: list[Staged]
+  shards: Sequence[Staged]
   last: bool = True
   writers: int = 1
   extra: Any = None
   plan: CommitPlan | None = None
   begin_format: str = ""
+
+  def __post_init__(self) -> None:
+    _as_tuples(self, "leaves", "shards")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -83,3 +87,16 @@ class Commit:
   replicas: Mapping[int, Sequence[int]] | None = None
   extra: Any = None
   taken_over: bool = False
+
+  def __post_init__(self) -> None:
+    _as_tuples(self, "leaves", "shards")
+    if self.replicas is not None:
+      object.__setattr__(self, "replicas", types.MappingProxyType(
+          {h: tuple(p) for h, p in self.replicas.items()}))
+
+
+def _as_tuples(value: Any, *names: str) -> None:
+  """``value``'s fields ``names`` as tuples (a tuple stays the same object): a frozen
+  value's sequences are immutable too."""
+  for name in names:
+    object.__setattr__(value, name, tuple(getattr(value, name)))

@@ -84,6 +84,30 @@ def test_a_stage_survives_the_wire_as_the_same_value_every_field_of_it():
   ) == Stage("/ckpt", 7, "/t", "/f", [], [])  # the defaults come back as defaults
 
 
+def test_a_phase_value_and_its_sequences_are_immutable():
+  """Frozen all through: a Stage's or a Commit's sequences are tuples (lists given become
+  tuples) and a Commit's replicas a read-only mapping, so no holder of a value (the
+  servicer, the writer) changes what another holds."""
+  a = np.arange(6, dtype=np.int16)
+  spec = spec_lib.LeafSpec(key_path=("a",), shape=(6,), dtype=np.int16)
+  staged = Staged(ShardRecord.of(ShardId(("a",), ((0, 6),)), 0, a), a)
+  stage = Stage("/ckpt", 7, "/t", "/f", [spec], [staged])
+  assert (stage.leaves, stage.shards) == ((spec,), (staged,))
+  with pytest.raises(AttributeError):
+    stage.shards.clear()  # type: ignore[attr-defined]
+  record = ShardRecord(ShardId(("a",), ((0, 6),)), 0, 1, "int16", (6,), 12, crc32c=7)
+  commit = Commit("/t", 7, 2, [spec], [record], "", True, replicas={0: [1]})
+  assert (commit.leaves, commit.shards, dict(commit.replicas or {})) == (
+      (spec,), (record,), {0: (1,)})
+  with pytest.raises(TypeError):
+    commit.replicas[1] = (0,)  # type: ignore[index]
+  got = wire.stage_from_pb(_sent(wire.stage_to_pb(stage, worker_session="", to_arena=None)),
+                           None)
+  assert isinstance(got.leaves, tuple) and isinstance(got.shards, tuple)
+  got_commit = wire.commit_from_pb(_sent(wire.commit_to_pb(commit)))
+  assert isinstance(got_commit.shards, tuple) and got_commit == commit
+
+
 def test_a_commit_survives_the_wire_as_the_same_value_every_field_of_it():
   """A save's Commit phase is one value (``ckptfmt/phases.Commit``) the wire alone converts:
   each field set (none at its default) comes back as sent."""

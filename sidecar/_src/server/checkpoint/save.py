@@ -344,7 +344,7 @@ class StepWriter:
       self._take_over(own)  # before this Stage answers: the sidecars commit it now
     return staged
 
-  def _here(self, shards: list[Staged]) -> list[Staged]:
+  def _here(self, shards: Sequence[Staged]) -> list[Staged]:
     """``shards``, each record naming this host; InvalidArgumentError for another's."""
     out = []
     for s in shards:

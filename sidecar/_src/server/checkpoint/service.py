@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -339,13 +340,15 @@ class CheckpointService:
                                               sum(s.data.nbytes for s in stage.shards)):
         staged = self._checkpoints.writer.stage(
             stage, owner=_session(context), worker=worker, alive=alive, finish_tmp=finish_tmp)
-    except BaseException:
+    except BaseException as e:
       if begun:  # as if never begun: the trainer's abort of a failed begin removes nothing
         self._checkpoints.agreements.abort(stage.final_dir)
         self._checkpoints.writer.abort(begun, stage.final_dir)
+      # A refused part lets its blocks go at once: no frame the error passed through keeps
+      # its (immutable) shards.
+      traceback.clear_frames(e.__traceback__)
+      del stage
       raise
-    finally:
-      stage.shards.clear()  # a refused part lets its blocks go at once
     return ckpt_pb.CheckpointStageResponse(staged_bytes=staged)
 
   def prepared(self, r: ckpt_pb.CheckpointPreparedRequest, context: grpc.ServicerContext
