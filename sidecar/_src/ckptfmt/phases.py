@@ -9,6 +9,9 @@ phase's value: the writer takes it beside the value. A new field of a phase is o
 here and its two lines in the wire module. A value's sequences are tuples (a list given
 becomes one): nothing that holds a value changes it.
 
+- :class:`Begin`: the beginning of a step (its uncommitted directory made, in its
+  format's layout), by a Begin of its own or by the step's first :class:`Stage` on the
+  host that begins it (which carries it).
 - :class:`Stage`: a part of one host's shards of a step (its first carries the leaves
   and may begin the step; its last may carry the sidecars' :class:`CommitPlan`).
 - :class:`Commit`: the commit of a step every host wrote (or the wait for the one the
@@ -24,8 +27,24 @@ from typing import Any
 
 from sidecar._src.ckptfmt.records import CommitPlan, ShardRecord, Staged
 from sidecar._src.ckptfmt.spec import LeafSpec
+from sidecar._src.core import errors
 
-__all__ = ["Commit", "Stage"]
+__all__ = ["Begin", "Commit", "Stage"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Begin:
+  """The beginning of step ``step`` of ``directory`` in format ``format`` (a registered
+  format's name, ``ckptfmt/registry.py``: ``"orbax"``, ``"dcp"``; always named): the
+  sidecar makes the step's uncommitted directory in that format's layout (``"orbax"``:
+  ``<directory>/<step>.orbax-checkpoint-tmp``; ``"dcp"``: ``directory`` is the
+  checkpoint's own, its tmp directory beside it) and holds the step for the caller's
+  save while its trainer is there.
+  """
+
+  directory: str
+  step: int
+  format: str
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -41,9 +60,9 @@ class Stage:
   one (a DCP rank's ``DcpPart``: its items, the shards' records' ``leaf`` numbering them).
   ``plan`` (with ``last``): the sidecars commit the step themselves; the host takes it
   over once its part is whole, before the call that made it whole answers.
-  ``begin_format``: this part begins the step first, as a Begin in that format would
-  (``tmp_dir`` where its save writes in what that makes): the first part on the host that
-  begins it; empty: begun already.
+  ``begin``: this part begins the step first, as that Begin would (its ``directory`` and
+  ``step`` this part's; ``tmp_dir`` where its save writes in what that makes): the first
+  part on the host that begins it; None: begun already.
   """
 
   directory: str
@@ -56,10 +75,16 @@ class Stage:
   writers: int = 1
   extra: Any = None
   plan: CommitPlan | None = None
-  begin_format: str = ""
+  begin: Begin | None = None
 
   def __post_init__(self) -> None:
     _as_tuples(self, "leaves", "shards")
+    if self.begin is not None and (self.begin.directory, self.begin.step) != (
+        self.directory, self.step):
+      raise errors.InvalidArgumentError(
+          f"a Stage of step {self.step} of {self.directory!r:.200} cannot begin step "
+          f"{self.begin.step} of {self.begin.directory!r:.200}: a Stage begins its own step "
+          "(give it the Begin of its directory and step, or none)")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
