@@ -117,8 +117,8 @@ class OwnTmp(FakeSidecars):
     super().__init__(**kw)
     self.tmp_dirs: list[tuple[str, str]] = []
 
-  def begin(self, host, directory, step, format=""):
-    return self._phase("begin", host, f"{directory}/{step}.orbax-checkpoint-tmp-1234")
+  def begin(self, host, begin):
+    return self._phase("begin", host, f"{begin.directory}/{begin.step}.orbax-checkpoint-tmp-1234")
 
   def stage(self, host, stage):
     self.tmp_dirs.append(("stage", stage.tmp_dir))
@@ -140,14 +140,14 @@ def test_a_step_is_written_in_the_tmp_directory_begin_answered():
 
 
 class BeginsByStage(FakeSidecars):
-  """Records the ``begin_format`` each stage carries."""
+  """Records the format of the Begin each stage carries (empty: none)."""
 
   def __init__(self, **kw):
     super().__init__(**kw)
     self.begins: list[tuple[int, str]] = []
 
   def stage(self, host, stage):
-    self.begins.append((host, stage.begin_format))
+    self.begins.append((host, stage.begin.format if stage.begin is not None else ""))
     return super().stage(host, stage)
 
 

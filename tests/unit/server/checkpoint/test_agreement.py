@@ -14,7 +14,7 @@ import pytest
 
 from sidecar._src.ckptfmt import records, registry as formats_lib, spec as spec_lib
 from sidecar._src.ckptfmt.orbax.format import OrbaxFormat
-from sidecar._src.ckptfmt.phases import Commit, Stage
+from sidecar._src.ckptfmt.phases import Begin, Commit, Stage
 from sidecar._src.ckptfmt.records import CommitPlan
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
@@ -110,7 +110,7 @@ def begin(hosts, tmp_path, *, alive=lambda: True):
   """Host 0 begins step 3; its item's tmp and final directories."""
   directory = str(tmp_path / "ck")
   hosts[0].writer.open(directory)
-  tmp = hosts[0].writer.begin(directory, STEP, owner="trainer", alive=alive)
+  tmp = hosts[0].writer.begin(Begin(directory, STEP, "orbax"), owner="trainer", alive=alive)
   return directory, os.path.join(tmp, spec_lib.ITEM), str(tmp_path / "ck" / str(STEP) /
                                                            spec_lib.ITEM)
 
@@ -267,7 +267,8 @@ def test_a_part_whose_committer_never_began_the_save_is_refused(job, tmp_path):
   hosts, _, _ = job
   directory = str(tmp_path / "ck")
   hosts[1].writer.open(directory)
-  tmp_dir = os.path.join(hosts[1].writer.begin(directory, STEP, owner="trainer"), spec_lib.ITEM)
+  tmp_dir = os.path.join(hosts[1].writer.begin(Begin(directory, STEP, "orbax"), owner="trainer"),
+                         spec_lib.ITEM)
   final = str(tmp_path / "ck" / str(STEP) / spec_lib.ITEM)
   with pytest.raises(errors.ClosedError, match="its committer, host 0, knows no such save"):
     stage(hosts[1], directory, tmp_dir, final, rows=(2, 4), plan=plan(), alive=lambda: True)
