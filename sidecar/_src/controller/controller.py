@@ -145,7 +145,8 @@ class Controller:
     except BaseException:
       self.close()
       raise
-    self._goodput = self._goodput_ledger()
+    self._goodput = goodput_lib.LedgerClient.of_process(
+        self._peers.index, (self._sidecars.workers.get(h) for h in self.local_hosts))
     # Its first completed step, told to its sidecars' stall rule (controller/startup.py).
     self._startup = startup.Startup(self._mapped_workers, then=(
         None if self._goodput is None else self._goodput.batch))
@@ -173,18 +174,7 @@ class Controller:
       InvalidArgumentError: ``name`` not 1..64 printable characters, or ``budget_s`` not
         seconds in (0, 86400].
     """
-    if until_step:
-      return self._startup.until_step(name, budget_s)
-    return startup.phase(self._mapped_workers, name, budget_s)
-
-  def _goodput_ledger(self) -> goodput_lib.LedgerClient | None:
-    """The job's goodput ledger client (controller/goodput.py): process 0's, sending to the
-    first sidecar it maps; None elsewhere (other processes, or no arena mapped here)."""
-    if self._peers.index != 0:
-      return None
-    worker = next((w for h in self.local_hosts if (w := self._sidecars.workers.get(h))
-                   is not None), None)
-    return None if worker is None else goodput_lib.LedgerClient(worker)
+    return self._startup.phase(name, budget_s, until_step=until_step)
 
   @staticmethod
   def _default_framework() -> Framework:

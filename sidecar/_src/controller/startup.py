@@ -56,6 +56,21 @@ class Startup:
       self._then(blocked_s, now)
 
   @contextlib.contextmanager
+  def phase(self, name: str, budget_s: float, *, until_step: bool = False
+            ) -> Iterator[None]:
+    """Phase ``name`` with ``budget_s`` seconds without a step (``Controller.phase``),
+    told to the workers; with ``until_step``, :meth:`until_step`."""
+    if until_step:
+      with self.until_step(name, budget_s):
+        yield
+      return
+    tell(self._workers(), _checked(name, budget_s))
+    try:
+      yield
+    finally:
+      tell(self._workers(), stall.Phase(name))
+
+  @contextlib.contextmanager
   def until_step(self, name: str, budget_s: float) -> Iterator[None]:
     """Phase ``name`` with ``budget_s`` seconds without a step, until the next completed
     step (the second batch the trainer's thread takes from now: the first is taken before
@@ -85,17 +100,6 @@ def tell(workers: Iterable[Told], phase: stall.Phase) -> None:
       log.log(logging.DEBUG if phase.name == stall.CLOSE else logging.WARNING,
               "the stall rule of %r was not told that phase %r %s (%s)", w, phase.name,
               "ends" if phase.ends else f"begins (budget {phase.budget_s:g} s)", why)
-
-
-@contextlib.contextmanager
-def phase(workers: Callable[[], Iterable[Told]], name: str, budget_s: float
-          ) -> Iterator[None]:
-  """Phase ``name`` with ``budget_s`` seconds without a step, told to ``workers``."""
-  tell(workers(), _checked(name, budget_s))
-  try:
-    yield
-  finally:
-    tell(workers(), stall.Phase(name))
 
 
 def _checked(name: str, budget_s: float) -> stall.Phase:
