@@ -27,7 +27,8 @@ The key-value driver's saves (:class:`SaveRunner`): a save copies every addressa
 shard once into the arena of the host that owns its device (replicated shards once)
 through the one stager (``staging.copy_in``), hands the blocks on in lots and returns; a
 shard still on its way from an accelerator (a ``DeviceCopy``) is copied by the stager
-thread once it has landed, after the save returned. One finisher thread then drives the
+thread once it has landed, after the save returned. One finisher (on a thread of
+:data:`FINISHERS`, kept from save to save) then drives the
 step's ``save_run.SaveRun`` (begin, stage the lots, finish: replicate, prepared, commit
 or abort, mark committed) and ends it (``durable``, ``replicated``).
 """
