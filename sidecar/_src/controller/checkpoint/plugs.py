@@ -39,6 +39,7 @@ import abc
 import dataclasses
 import functools
 import logging
+import os
 import queue
 import sys
 import threading
@@ -277,6 +278,10 @@ class Finishers:
     self._lock = threading.Lock()
     self._idle = 0  # threads waiting for a job that no job submitted is promised to yet
 
+  def forked(self) -> None:
+    """In a child process just forked: none of the parent's threads is there."""
+    self._jobs, self._lock, self._idle = queue.SimpleQueue(), threading.Lock(), 0
+
   def submit(self, finish: Callable[[], None], *, name: str) -> Finishing:
     """Runs ``finish()`` on a finisher thread (an idle one, else a new one); returns it
     (:class:`Finishing`), done once ``finish`` returned or raised."""
@@ -315,6 +320,7 @@ class Finishers:
 
 
 FINISHERS = Finishers()
+os.register_at_fork(after_in_child=lambda: FINISHERS.forked())
 
 
 def _mib(nbytes: int) -> str:

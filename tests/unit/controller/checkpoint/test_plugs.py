@@ -5,6 +5,7 @@ but the copies'), and a failure's kind and host across the trainer processes."""
 import concurrent.futures
 import dataclasses
 import errno
+import os
 import threading
 
 import numpy as np
@@ -194,3 +195,16 @@ def test_a_finisher_that_raises_is_said_and_its_thread_serves_on(monkeypatch):
   after = finishers.submit(lambda: None, name="sidecar-save-8")
   after.join(10)
   assert after.thread is failed.thread
+
+
+def test_a_forked_child_runs_its_finishers_on_threads_of_its_own():
+  """The parent's idle finisher threads are not in a child it forks: a save there would
+  have been promised to one of them, and waited forever."""
+  plugs.FINISHERS.submit(lambda: None, name="sidecar-save-0").join(10)  # one idle here
+  pid = os.fork()
+  if pid == 0:  # the child: exits at once, whatever happens
+    done = plugs.FINISHERS.submit(lambda: None, name="sidecar-save-1")
+    done.join(10)
+    os._exit(0 if not done.is_alive() else 1)
+  _, status = os.waitpid(pid, 0)
+  assert os.waitstatus_to_exitcode(status) == 0
