@@ -447,3 +447,19 @@ class TenantStatus(_message.Message):
     ram_tier_bytes: int
     ram_tier_quota: int
     def __init__(self, name: _Optional[str] = ..., sessions: _Optional[int] = ..., workers: _Optional[int] = ..., arena_bytes: _Optional[int] = ..., arena_guaranteed: _Optional[int] = ..., arena_ceiling: _Optional[int] = ..., feeds: _Optional[int] = ..., feed_workers: _Optional[int] = ..., weight: _Optional[float] = ..., waiting: _Optional[int] = ..., batches: _Optional[int] = ..., saves: _Optional[int] = ..., ram_tier_bytes: _Optional[int] = ..., ram_tier_quota: _Optional[int] = ...) -> None: ...
+
+class StalledRequest(_message.Message):
+    __slots__ = ("rank", "restart", "since_step_s")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    RESTART_FIELD_NUMBER: _ClassVar[int]
+    SINCE_STEP_S_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    restart: int
+    since_step_s: float
+    def __init__(self, rank: _Optional[int] = ..., restart: _Optional[int] = ..., since_step_s: _Optional[float] = ...) -> None: ...
+
+class StalledResponse(_message.Message):
+    __slots__ = ("marked",)
+    MARKED_FIELD_NUMBER: _ClassVar[int]
+    marked: int
+    def __init__(self, marked: _Optional[int] = ...) -> None: ...

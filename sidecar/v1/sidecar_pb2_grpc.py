@@ -64,6 +64,11 @@ class SidecarStub:
                 request_serializer=sidecar_dot_v1_dot_sidecar__pb2.LeaveRequest.SerializeToString,
                 response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.LeaveResponse.FromString,
                 _registered_method=True)
+        self.Stalled = channel.unary_unary(
+                '/sidecar.v1.Sidecar/Stalled',
+                request_serializer=sidecar_dot_v1_dot_sidecar__pb2.StalledRequest.SerializeToString,
+                response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.StalledResponse.FromString,
+                _registered_method=True)
 
 
 class SidecarServicer:
@@ -106,6 +111,12 @@ class SidecarServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Stalled(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SidecarServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -138,6 +149,11 @@ def add_SidecarServicer_to_server(servicer, server):
                     servicer.Leave,
                     request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.LeaveRequest.FromString,
                     response_serializer=sidecar_dot_v1_dot_sidecar__pb2.LeaveResponse.SerializeToString,
+            ),
+            'Stalled': grpc.unary_unary_rpc_method_handler(
+                    servicer.Stalled,
+                    request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.StalledRequest.FromString,
+                    response_serializer=sidecar_dot_v1_dot_sidecar__pb2.StalledResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -302,6 +318,33 @@ class Sidecar:
             '/sidecar.v1.Sidecar/Leave',
             sidecar_dot_v1_dot_sidecar__pb2.LeaveRequest.SerializeToString,
             sidecar_dot_v1_dot_sidecar__pb2.LeaveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stalled(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sidecar.v1.Sidecar/Stalled',
+            sidecar_dot_v1_dot_sidecar__pb2.StalledRequest.SerializeToString,
+            sidecar_dot_v1_dot_sidecar__pb2.StalledResponse.FromString,
             options,
             channel_credentials,
             insecure,

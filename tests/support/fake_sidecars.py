@@ -157,19 +157,18 @@ class FakeSidecars(CheckpointTransport):
     steps = self.steps.setdefault(directory, set(self.initial))
     return self._phase("open", host, sorted(steps))
 
-  def begin(self, host, directory, step, *, format):
+  def begin(self, host, begin):
+    directory, step, format = begin.directory, begin.step, begin.format
     if format == DCP:  # the checkpoint's own directory: its tmp one beside it
       return self._phase("begin", host, f"{directory}.dcp-checkpoint-tmp")
     assert format == ORBAX, format
     return self._phase("begin", host, f"{directory}/{step}.orbax-checkpoint-tmp")
 
   def stage(self, host, stage):
-    directory, step, tmp_dir, final_dir = (stage.directory, stage.step, stage.tmp_dir,
-                                           stage.final_dir)
+    tmp_dir, final_dir = stage.tmp_dir, stage.final_dir
     leaves, shards, extra, plan = stage.leaves, stage.shards, stage.extra, stage.plan
-    begin_format = stage.begin_format
-    if begin_format:  # the step begun by its first part: a Begin's call and failure
-      begun = self.begin(host, directory, step, format=begin_format)
+    if stage.begin is not None:  # the step begun by its first part: a Begin's call and failure
+      begun = self.begin(host, stage.begin)
       if begun.exception() is not None:
         return begun
     if leaves:

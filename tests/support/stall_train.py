@@ -1,9 +1,11 @@
 """A trainer for ``sidecar launch --stall-timeout``: it trains, then hangs (or worse).
 
-Run as ``sidecar launch --hosts 1 --import tests.support.feed_fns --stall-timeout S -- python
--m tests.support.stall_train DIR HOW HANGS [S]``. It takes one batch of the ``ids`` feed per
-step (each step sleeps STEP_S), saves every SAVE_EVERY steps into DIR (the goodput ledger's
-directory), and after step HANG_AT, while ``SIDECAR_RESTART`` is below HANGS, does HOW:
+Run as ``sidecar launch --hosts N --import tests.support.feed_fns --stall-timeout S --
+python -m tests.support.stall_train DIR HOW HANGS [S [RANK]]``. It takes one batch of the
+``ids`` feed per step (each step sleeps STEP_S), saves every SAVE_EVERY steps into DIR (the
+goodput ledger's directory), and after step HANG_AT, while ``SIDECAR_RESTART`` is below
+HANGS, does HOW (only process RANK where given: the others wait for it in a long phase,
+``ctl.phase``, never stalled):
 
 - ``sleep``: hangs for good in ``time.sleep`` (in :func:`hang_in_sleep`); ``recv``: in a
   socket read that never returns (in :func:`hang_in_recv`), both C calls;
@@ -57,13 +59,15 @@ def side_thread(stop: threading.Event) -> None:
   stop.wait()
 
 
-def main(directory: str, how: str, hangs: str, stall_s: str = "8") -> int:
+def main(directory: str, how: str, hangs: str, stall_s: str = "8", rank: str = "") -> int:
+  import sidecar
+  sidecar.jax.initialize()  # a job of several processes (RANK): their JAX runtime
+
   import jax
   import numpy as np
 
-  import sidecar
-
   restart = int(os.environ.get("SIDECAR_RESTART", "0"))
+  hangs_here = not rank or rank == os.environ.get("SIDECAR_PROCESS_ID", "0")
 
   def emit(kind, **fields):
     print("RESULT " + json.dumps({"kind": kind, "restart": restart, "pid": os.getpid(),
@@ -72,7 +76,8 @@ def main(directory: str, how: str, hangs: str, stall_s: str = "8") -> int:
   stop = threading.Event()
   side = threading.Thread(target=side_thread, args=(stop,), name="side")
   side.start()
-  sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(jax.devices()), ("data",)),
+                                        jax.sharding.PartitionSpec("data"))
   try:
     with sidecar.jax.Controller.from_env(timeout=60) as ctl:
       ckpt = ctl.checkpointer(directory, max_to_keep=2)
@@ -94,12 +99,16 @@ def main(directory: str, how: str, hangs: str, stall_s: str = "8") -> int:
           if step % SAVE_EVERY == 0:
             ckpt.save(step, {"step": np.int32(step)}).durable.result()
           emit("step", step=step)
-          if step == HANG_AT and restart < int(hangs):
+          if step == HANG_AT and restart < int(hangs) and hangs_here:
             emit("hanging", step=step)
             if how == "slow":
               os.kill(os.getpid(), signal.SIGKILL)
             {"sleep": hang_in_sleep, "recv": hang_in_recv,
              "wakes": hang_until_signalled}[how]()
+          elif step == HANG_AT and restart < int(hangs):  # another rank hangs: wait for it
+            emit("waiting", step=step)
+            with ctl.phase("eval", budget_s=100 * float(stall_s)):
+              hang_in_sleep()
       ckpt.close()
   finally:
     stop.set()

@@ -6,8 +6,12 @@ and from its protobuf request, and the sidecar's servicer hands the value it dec
 unchanged, to its writer (``server/checkpoint/save.py``). What the sidecar knows of the
 caller itself (its session, its worker, whether that is still attached) is no part of a
 phase's value: the writer takes it beside the value. A new field of a phase is one field
-here and its two lines in the wire module.
+here and its two lines in the wire module. A value's sequences are tuples (a list given
+becomes one): nothing that holds a value changes it.
 
+- :class:`Begin`: the beginning of a step (its uncommitted directory made, in its
+  format's layout), by a Begin of its own or by the step's first :class:`Stage` on the
+  host that begins it (which carries it).
 - :class:`Stage`: a part of one host's shards of a step (its first carries the leaves
   and may begin the step; its last may carry the sidecars' :class:`CommitPlan`).
 - :class:`Commit`: the commit of a step every host wrote (or the wait for the one the
@@ -17,13 +21,30 @@ here and its two lines in the wire module.
 from __future__ import annotations
 
 import dataclasses
+import types
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sidecar._src.ckptfmt.records import CommitPlan, ShardRecord, Staged
 from sidecar._src.ckptfmt.spec import LeafSpec
+from sidecar._src.core import errors
 
-__all__ = ["Commit", "Stage"]
+__all__ = ["Begin", "Commit", "Stage"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Begin:
+  """The beginning of step ``step`` of ``directory`` in format ``format`` (a registered
+  format's name, ``ckptfmt/registry.py``: ``"orbax"``, ``"dcp"``; always named): the
+  sidecar makes the step's uncommitted directory in that format's layout (``"orbax"``:
+  ``<directory>/<step>.orbax-checkpoint-tmp``; ``"dcp"``: ``directory`` is the
+  checkpoint's own, its tmp directory beside it) and holds the step for the caller's
+  save while its trainer is there.
+  """
+
+  directory: str
+  step: int
+  format: str
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -33,16 +54,15 @@ class Stage:
   which is ``final_dir`` once committed (the RAM tier's key).
 
   ``leaves``: the step's leaves (a host's first part carries them). ``shards``: this
-  part's shards, each record with its bytes beside it (a list: the sidecar lets a
-  refused part's blocks go at once by emptying it). ``last``: the sender's last part of
+  part's shards, each record with its bytes beside it. ``last``: the sender's last part of
   the step on this host; ``writers``: how many trainer processes stage into this host,
   each sending its own ``last``. ``extra``: the typed extra of the step's format, if it has
   one (a DCP rank's ``DcpPart``: its items, the shards' records' ``leaf`` numbering them).
   ``plan`` (with ``last``): the sidecars commit the step themselves; the host takes it
   over once its part is whole, before the call that made it whole answers.
-  ``begin_format``: this part begins the step first, as a Begin in that format would
-  (``tmp_dir`` where its save writes in what that makes): the first part on the host that
-  begins it; empty: begun already.
+  ``begin``: this part begins the step first, as that Begin would (its ``directory`` and
+  ``step`` this part's; ``tmp_dir`` where its save writes in what that makes): the first
+  part on the host that begins it; None: begun already.
   """
 
   directory: str
@@ -50,12 +70,21 @@ class Stage:
   tmp_dir: str
   final_dir: str
   leaves: Sequence[LeafSpec]
-  shards: list[Staged]
+  shards: Sequence[Staged]
   last: bool = True
   writers: int = 1
   extra: Any = None
   plan: CommitPlan | None = None
-  begin_format: str = ""
+  begin: Begin | None = None
+
+  def __post_init__(self) -> None:
+    _as_tuples(self, "leaves", "shards")
+    if self.begin is not None and (self.begin.directory, self.begin.step) != (
+        self.directory, self.step):
+      raise errors.InvalidArgumentError(
+          f"a Stage of step {self.step} of {self.directory!r:.200} cannot begin step "
+          f"{self.begin.step} of {self.begin.directory!r:.200}: a Stage begins its own step "
+          "(give it the Begin of its directory and step, or none)")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -83,3 +112,16 @@ class Commit:
   replicas: Mapping[int, Sequence[int]] | None = None
   extra: Any = None
   taken_over: bool = False
+
+  def __post_init__(self) -> None:
+    _as_tuples(self, "leaves", "shards")
+    if self.replicas is not None:
+      object.__setattr__(self, "replicas", types.MappingProxyType(
+          {h: tuple(p) for h, p in self.replicas.items()}))
+
+
+def _as_tuples(value: Any, *names: str) -> None:
+  """``value``'s fields ``names`` as tuples (a tuple stays the same object): a frozen
+  value's sequences are immutable too."""
+  for name in names:
+    object.__setattr__(value, name, tuple(getattr(value, name)))

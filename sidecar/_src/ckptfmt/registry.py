@@ -31,6 +31,13 @@ class Registry:
   """Formats by name; tests make their own (a format whose write records, waits or fails)."""
 
   formats: Mapping[str, Format]
+  # Every format's markers, each once (:meth:`has_markers`, asked of each directory above
+  # a staged step at every Stage): worked out once, here.
+  markers: tuple[str, ...] = dataclasses.field(init=False, repr=False, compare=False)
+
+  def __post_init__(self) -> None:
+    object.__setattr__(self, "markers", tuple(dict.fromkeys(
+        m for f in self.formats.values() for m in f.markers)))
 
   @property
   def names(self) -> list[str]:
@@ -96,8 +103,7 @@ class Registry:
   def has_markers(self, path: pathlib.Path) -> bool:
     """Whether a format's markers (``Format.markers``) lie in ``path`` itself: it is a
     committed step or item, whatever lies below it."""
-    return any((path / m).is_file() for m in dict.fromkeys(
-        m for f in self.formats.values() for m in f.markers))
+    return any((path / m).is_file() for m in self.markers)
 
   def is_checkpoint(self, path: pathlib.Path) -> bool:
     """Whether ``path`` is a committed checkpoint of any format."""

@@ -19,4 +19,4 @@ class Tier(enum.StrEnum):
   RAM = "ram"  # the arena of the host that staged the shard (its RAM tier)
   REPLICA = "replica"  # a replica another host's sidecar keeps of it, in its RAM tier
   STORAGE = "disk"  # the step's files, read through the host (the wire's TIER_DISK)
-  ANY = "any"  # the host's RAM copy where it keeps one, else its storage (DCP's reader)
+  ANY = "any"  # the host's RAM copy where it keeps one, else its storage (its choice)

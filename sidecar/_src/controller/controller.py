@@ -145,7 +145,8 @@ class Controller:
     except BaseException:
       self.close()
       raise
-    self._goodput = self._goodput_ledger()
+    self._goodput = goodput_lib.LedgerClient.of_process(
+        self._peers.index, (self._sidecars.workers.get(h) for h in self.local_hosts))
     # Its first completed step, told to its sidecars' stall rule (controller/startup.py).
     self._startup = startup.Startup(self._mapped_workers, then=(
         None if self._goodput is None else self._goodput.batch))
@@ -153,12 +154,16 @@ class Controller:
   def _mapped_workers(self) -> list[worker_lib.Worker]:
     return [w for h, w in self._sidecars.workers.items() if h not in self._sidecars.lost]
 
-  def phase(self, name: str, /, *, budget_s: float) -> contextlib.AbstractContextManager[None]:
+  def phase(self, name: str, /, *, budget_s: float, until_step: bool = False
+            ) -> contextlib.AbstractContextManager[None]:
     """A long phase without steps (an evaluation, a large restore): while it lasts, the
     stall rule of the sidecars this process maps waits up to ``budget_s`` seconds for a
     step before it counts this trainer as stalled (``sidecar launch --stall-timeout``;
     docs/elastic.md). Its start and end count as steps; its length never counts as the
-    slowest step.
+    slowest step. With ``until_step``, it ends at the next completed step (the second
+    batch this process's thread takes from a feed after it began), or at the block's end
+    if that comes first: a block that restores, re-meshes and then trains, whose first
+    step recompiles (``sidecar.elastic.retry`` runs each attempt so).
 
     Example::
 
@@ -169,16 +174,7 @@ class Controller:
       InvalidArgumentError: ``name`` not 1..64 printable characters, or ``budget_s`` not
         seconds in (0, 86400].
     """
-    return startup.phase(self._mapped_workers, name, budget_s)
-
-  def _goodput_ledger(self) -> goodput_lib.LedgerClient | None:
-    """The job's goodput ledger client (controller/goodput.py): process 0's, sending to the
-    first sidecar it maps; None elsewhere (other processes, or no arena mapped here)."""
-    if self._peers.index != 0:
-      return None
-    worker = next((w for h in self.local_hosts if (w := self._sidecars.workers.get(h))
-                   is not None), None)
-    return None if worker is None else goodput_lib.LedgerClient(worker)
+    return self._startup.phase(name, budget_s, until_step=until_step)
 
   @staticmethod
   def _default_framework() -> Framework:

@@ -10,6 +10,9 @@ cancels the feeds and streams in flight, and calls ``train`` again with the host
 that are left. Every phase is an :class:`Event`, logged at INFO and kept. A checkpointer
 follows the controller's live hosts, so one made before the loss saves on the hosts left
 (a save begun before the loss that fails is logged, not raised into the next attempt).
+Each attempt, until its first completed step, is a phase of the sidecars' stall rule
+(``ctl.phase(stall.ATTEMPT, budget_s=stall.ATTEMPT_BUDGET_S, until_step=True)``): its
+restore and its first step's recompile on the new mesh are never taken for a hang.
 
 Example::
 
@@ -45,7 +48,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from sidecar._src.core import deprecation, errors
+from sidecar._src.core import deprecation, errors, stall
 
 log = logging.getLogger(__name__)
 _current: contextvars.ContextVar[Retry | None] = contextvars.ContextVar(
@@ -203,7 +206,10 @@ class Retry:
         self.note("start", detail=f"attempt {restarts + 1}")
         t0 = time.monotonic()
         try:
-          out = self._fn(hosts, *args, **kwargs)
+          # Its restore and recompile come before its first step: not a stall (core/stall.py).
+          with self._ctl.phase(stall.ATTEMPT, budget_s=stall.ATTEMPT_BUDGET_S,
+                               until_step=True):
+            out = self._fn(hosts, *args, **kwargs)
         except Regrow as e:
           self.note("grow", detail=str(e), seconds=time.monotonic() - t0)
           continue

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from sidecar._src.core import env as env_lib, goodput as goodput_lib
@@ -109,6 +109,17 @@ class LedgerClient:
                                                        pid=self.pid).to_dict()]
     self._due = float("inf")  # the counter's value at which a mark goes (once bound)
     self.finished = False
+
+  @classmethod
+  def of_process(cls, index: int, transports: Iterable[LedgerTransport | None]
+                 ) -> LedgerClient | None:
+    """The job's ledger client: process ``index`` 0's, sending to the first of
+    ``transports`` (the Workers of the sidecars it maps, None where none is mapped);
+    None elsewhere (other processes, or no arena mapped here)."""
+    if index != 0:
+      return None
+    transport = next((t for t in transports if t is not None), None)
+    return None if transport is None else cls(transport)
 
   # ---- what the feed and the checkpointer report -------------------------------------
 

@@ -6,7 +6,9 @@ compile, and a device-prefetch thread takes several more. :class:`Startup` count
 batches the trainer's own thread takes (``Feed.__next__``'s return) and, at the second
 (step 1 is done), tells each sidecar this process maps that :data:`stall.STARTUP` ended
 (``Worker.tell``): one frame per sidecar, once per Controller. A long phase later
-(``Controller.phase``) is told the same way.
+(``Controller.phase``) is told the same way; one that lasts until the next completed step
+(:meth:`Startup.until_step`: an elastic attempt's restore and recompile) ends at the second
+batch taken after it began, as the startup does.
 """
 
 from __future__ import annotations
@@ -39,14 +41,49 @@ class Startup:
                then: Callable[[float, float], None] | None = None):
     self._workers, self._then = workers, then
     self.batches = 0
+    self._ends: dict[str, int] = {}  # phases until a step: name -> the batch count they end at
 
   def batch(self, blocked_s: float, now: float) -> None:
     """A batch was taken in the trainer's thread (``Feed``'s ``on_batch``)."""
     self.batches += 1
     if self.batches == 2:
       tell(self._workers(), stall.Phase(stall.STARTUP))
+    if self._ends:
+      for name in [n for n, at in self._ends.items() if at == self.batches]:
+        del self._ends[name]
+        tell(self._workers(), stall.Phase(name))
     if self._then is not None:
       self._then(blocked_s, now)
+
+  @contextlib.contextmanager
+  def phase(self, name: str, budget_s: float, *, until_step: bool = False
+            ) -> Iterator[None]:
+    """Phase ``name`` with ``budget_s`` seconds without a step (``Controller.phase``),
+    told to the workers; with ``until_step``, :meth:`until_step`."""
+    if until_step:
+      with self.until_step(name, budget_s):
+        yield
+      return
+    tell(self._workers(), _checked(name, budget_s))
+    try:
+      yield
+    finally:
+      tell(self._workers(), stall.Phase(name))
+
+  @contextlib.contextmanager
+  def until_step(self, name: str, budget_s: float) -> Iterator[None]:
+    """Phase ``name`` with ``budget_s`` seconds without a step, until the next completed
+    step (the second batch the trainer's thread takes from now: the first is taken before
+    a recompile) or the block's end, whichever comes first. Entered and left in the
+    trainer's thread, as :meth:`batch` is called."""
+    begins = _checked(name, budget_s)
+    tell(self._workers(), begins)
+    self._ends[name] = self.batches + 2
+    try:
+      yield
+    finally:
+      if self._ends.pop(name, None) is not None:  # no step yet: ends here
+        tell(self._workers(), stall.Phase(name))
 
 
 def tell(workers: Iterable[Told], phase: stall.Phase) -> None:
@@ -65,16 +102,9 @@ def tell(workers: Iterable[Told], phase: stall.Phase) -> None:
               "ends" if phase.ends else f"begins (budget {phase.budget_s:g} s)", why)
 
 
-@contextlib.contextmanager
-def phase(workers: Callable[[], Iterable[Told]], name: str, budget_s: float
-          ) -> Iterator[None]:
-  """Phase ``name`` with ``budget_s`` seconds without a step, told to ``workers``."""
+def _checked(name: str, budget_s: float) -> stall.Phase:
+  """Phase ``name`` begins with ``budget_s``; InvalidArgumentError as the rule refuses it."""
   try:
-    begins = stall.Phase(name, budget_s)
+    return stall.Phase(name, budget_s)
   except ValueError as e:
     raise errors.InvalidArgumentError(str(e)) from None
-  tell(workers(), begins)
-  try:
-    yield
-  finally:
-    tell(workers(), stall.Phase(name))

@@ -17,6 +17,13 @@ of its timeout and the phase's budget (at most :data:`MAX_BUDGET_S`), counted fr
 phase's start; its start and its end count as steps, and its length never enters the
 slowest step. A trainer whose Controller closes is in :data:`CLOSE` (the saves it waits
 for, its exit) until its session ends.
+
+An attempt of ``sidecar.elastic.retry`` starts as a trainer does (a restore on the hosts
+left, a new mesh, its first step's recompile): each attempt is the phase :data:`ATTEMPT`
+with a budget of :data:`ATTEMPT_BUDGET_S` until its first completed step (its feed's second
+batch; a trainer with no feed of ours, the attempt's end). Its first startup is never
+timed; an attempt's is, but with an hour, so that a compile at scale (minutes to tens of
+minutes) is never a stall and a restore that hangs is still found.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ MAX_NAME = 64  # characters of a phase's name
 STARTUP = "startup"  # the phase every trainer begins in: until its first completed step
 CLOSE = "close"  # the phase a trainer ends in: its Controller closes (its saves waited for)
 OP = "phase"  # the worker socket's frame (``server/workers/workers.py``)
+ATTEMPT = "elastic-attempt"  # sidecar.elastic.retry's attempt, until its first step
+ATTEMPT_BUDGET_S = 3600.0  # its budget: a restore and a recompile at scale, with room
 
 RULE = (f"no step (a feed's batches taken, a save) for the larger of SECONDS and "
         f"{MULTIPLE:g}x the slowest step seen, counted from its first completed step "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hmac
 import itertools
 import logging
+import math
 import os
 import threading
 import time
@@ -105,6 +106,7 @@ class Service:
             response_serializer=pb.StreamItem.SerializeToString),
         "Status": unary(self.status, pb.StatusResponse),
         "Leave": unary(self.leave, pb.LeaveResponse),
+        "Stalled": unary(self.stalled, pb.StalledResponse),
     })
 
   @staticmethod
@@ -299,6 +301,26 @@ class Service:
     if self._sessions.client(session) == self._client(context):
       self._sessions.end(session)
     return pb.LeaveResponse()
+
+  def stalled(self, raw: bytes, context: grpc.ServicerContext) -> pb.StalledResponse:
+    """``sidecar launch`` killed a stalled trainer: the ledgers of its start's sessions
+    here, of the caller's tenant (every tenant's for no tenants or the pool's operator),
+    are marked (``Workers.stalled``). A report marks only a life of the caller's own
+    tenant, and counts only where that life then dies without another step."""
+    request = codec.parse(pb.StalledRequest, raw)
+    client = self._client(context)
+    if client is None and self._tokens.named:  # a certificate no tenant names
+      raise errors.AuthenticationError(self._no_tenant(context))
+    since = request.since_step_s
+    if not math.isfinite(since) or since < 0:  # one older than a session: from its attach
+      raise errors.InvalidArgumentError(
+          f"Stalled: since_step_s must be finite seconds >= 0, got {since!r}")
+    every = client is None or client == tenants_lib.OPERATOR
+    marked = self._workers.stalled(restart=request.restart, since_step_s=since,
+                                   tenant=client, every=every)
+    log.info("Stalled: rank %d of start %d stalled %.1f s ago and was killed; %d goodput "
+             "ledgers marked", request.rank, request.restart, since, marked)
+    return pb.StalledResponse(marked=marked)
 
   def status(self, raw: bytes, context: grpc.ServicerContext) -> pb.StatusResponse:
     codec.parse(pb.StatusRequest, raw)

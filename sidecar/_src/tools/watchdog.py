@@ -10,6 +10,14 @@ trainer write its Python stacks (``core/stacks.py``: faulthandler on
 ``$SIDECAR_STACKS_SIGNAL``, every thread), **looks again** (a trainer that stepped
 meanwhile is spared), and kills its process group. The launcher restarts it like a crash.
 
+**The ledger hears of it.** The goodput ledger is process 0's, kept by its sidecar, which
+may not be the stalled trainer's, and process 0 is often not stalled yet (it waits in a
+collective, or in an announced phase): its death alone would read as a plain crash. So
+once it has killed a stalled trainer, :meth:`Watchdog.check` tells every sidecar of the
+job (the Stalled RPC, :meth:`Watchdog.report`) that the trainers of that start die of
+that stall, its last step the time the launcher verified; the sidecar keeping the ledger
+marks process 0's life, which the kill that follows ends (``server/goodput/ledgers.py``).
+
 **Only processes the launcher started are signalled.** The pid a sidecar lists is what
 its session said; it is signalled only where ``/proc`` shows it in the process group of
 the trainer the launcher started for that rank (:func:`trainers.in_group`): a negative,
@@ -230,9 +238,36 @@ class Watchdog:
     where it stepped while its stacks were written."""
     found = self.stalled({r: p.pid for r, p in running.items() if p.poll() is None},
                          restart)
-    if found is not None and self.kill(found, running[found.rank].pid):
-      return found
-    return None
+    if found is None:
+      return None
+    began = time.monotonic()
+    if not self.kill(found, running[found.rank].pid):
+      return None
+    self.report(found, since_s=found.since_s + time.monotonic() - began)
+    return found
+
+  def report(self, stall: Stall, *, since_s: float) -> None:
+    """Tells every sidecar that ``stall``'s trainer, its last step ``since_s`` ago, was
+    killed stalled: the ledger of its start's life, process 0's, records its death as
+    the stall's (the Stalled RPC). A sidecar that does not answer is said, once each."""
+    from sidecar._src.controller import connection  # gRPC, as refresh()
+    from sidecar._src.wire import protocol
+    from sidecar._src.wire.protocol import pb
+    request = pb.StalledRequest(rank=stall.rank, restart=stall.restart, since_step_s=since_s)
+    meta = ((protocol.AUTH_KEY, f"Bearer {self._token}"),) if self._token else ()
+    for host, address in dict(self._addresses()).items():
+      try:
+        channel, pin = connection.open_channel(
+            address, timeout=STATUS_TIMEOUT_S, options=connection.CHANNEL_OPTIONS,
+            credentials=protocol.tls_credentials(None, None, None))
+        with channel, pin or contextlib.nullcontext():
+          channel.unary_unary(f"/{protocol.SERVICE}/Stalled",
+                              request_serializer=pb.StalledRequest.SerializeToString,
+                              response_deserializer=pb.StalledResponse.FromString)(
+              request, timeout=STATUS_TIMEOUT_S, metadata=meta)
+      except Exception as e:  # noqa: BLE001 - the ledger only: the restart goes on
+        self._say(f"host {host}'s sidecar did not hear of rank {stall.rank}'s stall "
+                  f"({type(e).__name__}: {e}); its goodput ledger may count it as a crash")
 
   def kill(self, stall: Stall, group: int) -> bool:
     """Prints the stall line, has the trainer write its stacks, looks again, and kills

@@ -18,6 +18,7 @@ import functools
 import itertools
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +31,7 @@ from sidecar._src.controller import controller as core
 from sidecar._src.controller.checkpoint import checkpointer as checkpointer_lib
 from sidecar._src.controller.checkpoint.options import CheckpointOptions, options_or
 from sidecar._src.controller.checkpoint.plugs import Driver, Setup
+from sidecar._src.controller.checkpoint.restore import RestoreStats
 from sidecar._src.controller.checkpoint.save_protocol import Target
 from sidecar._src.controller.checkpoint.save_run import Ending, SaveHandle
 from sidecar._src.core import errors, interrupts
@@ -99,6 +101,7 @@ class DcpDriver(Driver):
     self._directory = setup.directory
     self._fmt = formats_lib.DEFAULT.get(storage.dcp_format(setup.options))
     self._last: SaveHandle | None = None
+    self._restored: RestoreStats | None = None  # where the last restore's items came from
     self._lock = threading.Lock()
     self._pending: list[threading.Event] = []  # set once a save called its end
 
@@ -149,6 +152,7 @@ class DcpDriver(Driver):
     reader = storage.StorageReader(os.path.join(self._directory, str(step)),
                                    controller=self._ctl)
     reader.check()  # a step of another format is named here: dcp.load would wrap it
+    t0 = time.perf_counter()
     try:
       dcp.load(target, storage_reader=reader, process_group=self._group)
     except CheckpointException as e:  # the sidecars' error as itself (a corrupt step's
@@ -157,7 +161,13 @@ class DcpDriver(Driver):
       if found is None:
         raise
       raise found.with_traceback(None) from e
+    self._restored = RestoreStats(step, time.perf_counter() - t0, dict(reader.sources),
+                                  dict(reader.source_bytes))
     return target
+
+  def last_restore_stats(self) -> RestoreStats | None:
+    """Where this rank's items of the last restore came from (its ``dcp.load``'s reads)."""
+    return self._restored
 
   def _settle(self) -> None:
     """Waits for the save in flight to end, durable or failed."""

@@ -326,7 +326,12 @@ class StorageReader(_Reader):
     self._manifest: tuple[str, Manifest | None] | None = None  # path's, once asked
     self._records: dict[tuple[str, tuple[int, ...]], ShardRecord] = {}
     self._replicas: dict[int, tuple[int, ...]] = {}  # {host: the peers that keep its part}
+    self._held: dict[int, frozenset[ShardId]] = {}  # {host: the shards its RAM tier keeps}
     self.last_stats: dict[str, int] = {}
+    # Where the last load's items came from, by Source.label ("ram:host0", "storage"):
+    # items and bytes, a RestoreStats' ``shards`` and ``bytes``.
+    self.sources: dict[str, int] = {}
+    self.source_bytes: dict[str, int] = {}
 
   def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
     if checkpoint_id:
@@ -363,8 +368,29 @@ class StorageReader(_Reader):
     self._records = {(str(r.key_path[0]), tuple(a for a, _ in r.index)): r
                      for r in manifest.shards}
     self._replicas = dict(manifest.replicas)
+    self._held = self._ram_held({r.host if r.host is not None else self._home
+                                 for r in manifest.shards})
     self._metadata = torch_metadata.from_plan(manifest.dcp_plan)
     return self._metadata
+
+  def _ram_held(self, hosts: set[int]) -> dict[int, frozenset[ShardId]]:
+    """The shards of ``path`` each of ``hosts`` keeps in its RAM tier (the core restore's
+    ``Held``), so that each read names the tier it reads; a host that does not answer
+    keeps none (its items come from a replica or storage)."""
+    directory = os.path.dirname(self.path)
+    futures = {}
+    for h in sorted(hosts):
+      try:
+        futures[h] = self._site.client.held(h, directory, timeout=5)
+      except errors.SidecarError:  # a host known lost
+        continue
+    held = {}
+    for h, f in futures.items():
+      try:
+        held[h] = frozenset(f.result().own.get(self.path, ()))
+      except errors.SidecarError:
+        continue
+    return held
 
   def set_up_storage_reader(self, metadata: dcp_metadata.Metadata, is_coordinator: bool, *args: Any,
                             **kwargs: Any) -> None:
@@ -378,13 +404,14 @@ class StorageReader(_Reader):
   def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
     return plans
 
-  def _sources(self, owner: int) -> list[Source]:
-    """Where to read an item ``owner`` staged, in order: its RAM tier (else its storage),
-    the hosts that keep its replica (the manifest names them), storage through this rank's
-    sidecar."""
-    return [Source(owner, Tier.ANY),
-            *(Source(h, Tier.REPLICA) for h in self._replicas.get(owner, ())),
-            Source(self._home, Tier.STORAGE)]
+  def _sources(self, owner: int, shard: ShardId) -> list[Source]:
+    """Where to read ``shard``, which ``owner`` staged, in order: its RAM tier where it
+    keeps it, the hosts that keep its replica (the manifest names them), storage through
+    ``owner`` and through this rank's sidecar. Each names its tier, as a restore's stats
+    say it (``RestoreStats``)."""
+    ram = [Source(owner, Tier.RAM)] if shard in self._held.get(owner, ()) else []
+    return [*ram, *(Source(h, Tier.REPLICA) for h in self._replicas.get(owner, ())),
+            *(Source(h, Tier.STORAGE) for h in dict.fromkeys([owner, self._home]))]
 
   @interrupts.deferring  # Ctrl-C: the reads in flight are dropped, their blocks go back
   def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
@@ -393,12 +420,15 @@ class StorageReader(_Reader):
     assert self._metadata is not None
     pending = [(req, self._start(req)) for req in plan.items]
     counts = {"items": 0, "bytes": 0, "from_replicas": 0, "from_storage": 0}
+    self.sources, self.source_bytes = {}, {}
     for req, future in pending:
       data, source = interrupts.wait(future)
       counts["items"] += 1
       counts["bytes"] += data.nbytes
       counts["from_replicas"] += source.tier is Tier.REPLICA
       counts["from_storage"] += source.tier is Tier.STORAGE
+      self.sources[source.label] = self.sources.get(source.label, 0) + 1
+      self.source_bytes[source.label] = self.source_bytes.get(source.label, 0) + data.nbytes
       if req.type == LoadItemType.BYTE_IO:
         planner.load_bytes(req, io.BytesIO(data.tobytes()))
         continue
@@ -434,7 +464,7 @@ class StorageReader(_Reader):
           f"{self.path}: its {records.MANIFEST_FILE} lists no record of item {fqn!r} at "
           f"{list(offsets)}, which its plan has: the manifest does not describe this step")
     owner = record.host if record.host is not None else self._home
-    return self._reads.first(self.path, record, self._sources(owner))
+    return self._reads.first(self.path, record, self._sources(owner, record.id))
 
   @classmethod
   def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:

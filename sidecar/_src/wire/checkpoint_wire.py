@@ -13,9 +13,11 @@ A format's typed parts travel in the ``format_part`` oneofs of the Stage and Com
 requests; :data:`STAGE_EXTRAS` and :data:`COMMIT_EXTRAS` convert them, one entry per
 member (a new format adds its entries).
 
-A save's phases are ``ckptfmt/phases``' values: :func:`stage_to_pb` and
-:func:`stage_from_pb` convert a whole :class:`~sidecar._src.ckptfmt.phases.Stage`,
-:func:`commit_to_pb` and :func:`commit_from_pb` a
+A save's phases are ``ckptfmt/phases``' values: :func:`begin_to_pb` and
+:func:`begin_from_pb` convert a whole :class:`~sidecar._src.ckptfmt.phases.Begin`,
+:func:`stage_to_pb` and :func:`stage_from_pb` a
+:class:`~sidecar._src.ckptfmt.phases.Stage` (the Begin one carries as its
+``begin_format``), :func:`commit_to_pb` and :func:`commit_from_pb` a
 :class:`~sidecar._src.ckptfmt.phases.Commit`: the only place their fields meet the
 requests'.
 """
@@ -31,7 +33,7 @@ import numpy as np
 
 from sidecar._src.ckptfmt import names
 from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart
-from sidecar._src.ckptfmt.phases import Commit, Stage
+from sidecar._src.ckptfmt.phases import Begin, Commit, Stage
 from sidecar._src.ckptfmt.records import (
   AgreePhase,
   AgreeState,
@@ -148,6 +150,19 @@ def staged_from_pb(request: ckpt_pb.CheckpointStageRequest, from_arena: codec.Fr
   return out
 
 
+def begin_to_pb(begin: Begin, *, worker_session: str) -> ckpt_pb.CheckpointBeginRequest:
+  """``begin`` as a Begin request of the trainer whose worker session is
+  ``worker_session`` (empty: none)."""
+  return ckpt_pb.CheckpointBeginRequest(directory=begin.directory, step=begin.step,
+                                        format=begin.format, worker_session=worker_session)
+
+
+def begin_from_pb(request: ckpt_pb.CheckpointBeginRequest) -> Begin:
+  """A Begin request's :class:`Begin`. The request's ``worker_session`` is the caller's,
+  not the value's: the servicer reads it itself."""
+  return Begin(request.directory, request.step, request.format)
+
+
 def stage_to_pb(stage: Stage, *, worker_session: str, to_arena: codec.ToArena | None
                 ) -> ckpt_pb.CheckpointStageRequest:
   """``stage`` as a Stage request of the trainer whose worker session is
@@ -156,7 +171,7 @@ def stage_to_pb(stage: Stage, *, worker_session: str, to_arena: codec.ToArena | 
       directory=stage.directory, step=stage.step, tmp_dir=stage.tmp_dir,
       final_dir=stage.final_dir, leaves=[leaf_to_pb(d) for d in stage.leaves],
       last=stage.last, writers=stage.writers, worker_session=worker_session,
-      begin_format=stage.begin_format)
+      begin_format=stage.begin.format if stage.begin is not None else "")
   if stage.plan is not None:
     plan_to_pb(request.plan, stage.plan)
   format_extra_to_pb(request, stage.extra, STAGE_EXTRAS)
@@ -167,15 +182,17 @@ def stage_to_pb(stage: Stage, *, worker_session: str, to_arena: codec.ToArena | 
 def stage_from_pb(request: ckpt_pb.CheckpointStageRequest, from_arena: codec.FromArena | None,
                   views: Sequence[memoryview] = ()) -> Stage:
   """A Stage request's :class:`Stage` (its shards as :func:`staged_from_pb` reads them;
-  ``writers`` at least 1). The request's ``worker_session`` is the caller's, not the
+  ``writers`` at least 1; its ``begin`` the Begin of its directory and step in its
+  ``begin_format``, if it names one). The request's ``worker_session`` is the caller's, not the
   value's: the servicer reads it itself."""
   leaves = [leaf_from_pb(leaf, f"leaves[{i}]") for i, leaf in enumerate(request.leaves)]
   extra = format_extra_from_pb(request, STAGE_EXTRAS)
   shards = staged_from_pb(request, from_arena, views)
   plan = plan_from_pb(request.plan, "plan") if request.HasField("plan") else None
+  begin = (Begin(request.directory, request.step, request.begin_format)
+           if request.begin_format else None)
   return Stage(request.directory, request.step, request.tmp_dir, request.final_dir, leaves,
-               shards, request.last, max(request.writers, 1), extra, plan,
-               request.begin_format)
+               shards, request.last, max(request.writers, 1), extra, plan, begin)
 
 
 def commit_to_pb(commit: Commit) -> ckpt_pb.CheckpointCommitRequest:

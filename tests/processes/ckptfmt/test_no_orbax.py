@@ -50,7 +50,7 @@ writer = save.StepWriter(0, tier=tier, roots=roots_lib.Roots(0, (root,)), spawn=
                          metrics=metrics_lib.Recorder())
 path = f"{root}/ck"
 writer.open(root)
-tmp = writer.begin(path, 3, format="dcp", owner="a")
+tmp = writer.begin(phases.Begin(path, 3, "dcp"), owner="a")
 w = np.arange(12, dtype=np.float32).reshape(4, 3)
 item = Item(fqn="w", kind="tensor", nbytes=w.nbytes, dtype="float32", sizes=w.shape,
             offsets=(0, 0))

@@ -22,7 +22,7 @@ def test_an_unauthenticated_client_learns_nothing_beyond_what_health_says(make_s
              server.options.socket_path]
   with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
     told = []
-    for method in ("Handshake", "Status", "Call", "Leave"):
+    for method in ("Handshake", "Status", "Call", "Leave", "Stalled"):
       told.append(rejected(lambda m=method: ch.unary_unary(f"/{protocol.SERVICE}/{m}")(
           b"", timeout=5)))
     told.append(rejected(lambda: list(ch.stream_stream(f"/{protocol.SERVICE}/Stream")(

@@ -26,42 +26,48 @@ pytestmark = [pytest.mark.processes, pytest.mark.timeout(300)]
 STALL_S = 4
 
 
-def _launch(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-  return subprocess.run([sys.executable, "-m", "sidecar", "launch", "--hosts", "1",
+def _launch(*args: str, timeout: float = 240, hosts: int = 1) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, "-m", "sidecar", "launch", "--hosts", str(hosts),
                          "--shm-size", "16MiB", *args], cwd=ROOT, capture_output=True,
                         text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("how, hangs, flags, code", [
-    ("sleep", 1, (), 0),
-    ("recv", 2, ("--standby",), stall.EXIT_CODE),
-], ids=["sleep-restarted", "recv-standby-twice-ends-the-job"])
+@pytest.mark.parametrize("how, hangs, flags, code, rank", [
+    ("sleep", 1, (), 0, 1),
+    ("recv", 2, ("--standby",), stall.EXIT_CODE, 0),
+], ids=["sleep-rank-1-of-2-restarted", "recv-standby-twice-ends-the-job"])
 def test_a_hung_trainer_is_found_its_stacks_printed_and_it_is_restarted(
-    tmp_path, how, hangs, flags, code):
+    tmp_path, how, hangs, flags, code, rank):
+  """Rank ``rank`` of ``rank + 1`` hangs (one a host); the others wait for it in a long
+  phase, never stalled: the ledger, process 0's, counts the stall all the same (the
+  launcher tells process 0's sidecar: issue 69)."""
   directory = tmp_path / "ckpt"
   p = _launch("--import", "tests.support.feed_fns", "--stall-timeout", str(STALL_S),
               "--max-restarts", "1", *flags, "--", sys.executable, "-m",
-              "tests.support.stall_train", str(directory), how, str(hangs))
+              "tests.support.stall_train", str(directory), how, str(hangs), str(STALL_S),
+              str(rank), hosts=rank + 1)
   out, err = p.stdout, p.stderr
   assert p.returncode == code, out + err
-  stalls = re.findall(r"host 0 rank 0 stalled: no step for ([\d.]+) s since its last step "
-                      r"\(its stall timeout ([\d.]+) s", err)
+  stalls = re.findall(rf"host {rank} rank {rank} stalled: no step for ([\d.]+) s since its "
+                      r"last step \(its stall timeout ([\d.]+) s", err)
   assert len(stalls) == hangs, err
   for since, limit in stalls:
     assert float(since) >= STALL_S and float(limit) >= STALL_S  # printed to 0.1 s
   # Its stacks, every thread's, with the function each hangs in by name.
   hang = "hang_in_sleep" if how == "sleep" else "hang_in_recv"
-  assert re.search(rf"\[host 0\] .*File .*stall_train.py.*line \d+ in {hang}", out), out
-  assert re.search(r"\[host 0\] .*line \d+ in side_thread", out), out
+  assert re.search(rf"\[host {rank}\] .*File .*stall_train.py.*line \d+ in {hang}", out), out
+  assert re.search(rf"\[host {rank}\] .*line \d+ in side_thread", out), out
   assert "most recent call first" in out
   got = results(out)
   hung = [r for r in got if r["kind"] == "hanging"]
+  assert len({r["pid"] for r in got if r["kind"] == "waiting"}) == rank  # the others
   assert [r["restart"] for r in hung] == list(range(hangs))
   # The restart trains again (from the step saved before the hang)...
   assert any(r["kind"] == "step" and r["restart"] == 1 for r in got), out
   if code == 0:
-    assert got[-1]["kind"] == "done" and got[-1]["restart"] == 1
-    assert re.search(r"restart 1: host 0's trainer stalled \([\d.]+ s without a step\)", err)
+    assert [r["restart"] for r in got if r["kind"] == "done"] == [1] * (rank + 1)
+    assert re.search(rf"restart 1: host {rank}'s trainer stalled \([\d.]+ s without a step\)",
+                     err)
   else:  # ... and a second stall with no restart left ends the job with the stall's code
     assert "after 1 restarts (--max-restarts 1)" in err, err
   # The ledger counts the stall as its own badput.
@@ -71,6 +77,9 @@ def test_a_hung_trainer_is_found_its_stacks_printed_and_it_is_restarted(
   assert cli.returncode == 0, cli.stderr
   ledger = json.loads(cli.stdout)
   assert ledger["badput_s"]["stall"] >= hangs * STALL_S * 0.9, ledger
+  died = [json.loads(line) for line in (directory / "goodput.jsonl").read_text().splitlines()
+          if '"died"' in line]
+  assert len(died) == hangs and all(d.get("stalled") for d in died), died
   assert ledger["restarts"] >= 1 and ledger["skipped_lines"] == 0
 
 

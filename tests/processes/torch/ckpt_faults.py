@@ -55,9 +55,9 @@ def main() -> None:
       dist.barrier()
 
       class ViaReplica(sidecar.torch.StorageReader):
-        def _sources(self, owner):  # host 1's own copy, as if it were lost
-          return [(-1 if h == 1 and tier == "any" else h, tier)
-                  for h, tier in super()._sources(owner)]
+        def _sources(self, owner, shard):  # host 1's own copy, as if it were lost
+          return [(-1 if h == 1 and tier == "ram" else h, tier)
+                  for h, tier in super()._sources(owner, shard)]
       target, r = zeros_like(state(rank, world, 1)), ViaReplica(f"{directory}/1", controller=ctl)
       dcp.load(target, storage_reader=r)
       say(first=same(target, state(rank, world, 1)), stats=r.last_stats)

@@ -29,7 +29,7 @@ import pytest
 import sidecar
 from sidecar._src.ckptfmt import records, registry as formats_lib
 from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart, Item, distcp
-from sidecar._src.ckptfmt.phases import Commit, Stage
+from sidecar._src.ckptfmt.phases import Begin, Commit, Stage
 from sidecar._src.ckptfmt.records import Staged
 from sidecar._src.ckptfmt.spec import LeafKind, LeafSpec
 from tests.support.staged import staged
@@ -105,7 +105,7 @@ def client(make_server):
 def _save(client, name: str, directory: str, step: int) -> str:
   """Saves ``step`` in format ``name``; returns its committed item directory."""
   s = DRIVERS[name](directory, step)
-  tmp = client.begin(0, s.begin, step, format=name).result()
+  tmp = client.begin(0, Begin(s.begin, step, name)).result()
   fmt = formats_lib.DEFAULT.get(name)
   tmp_dir, final_dir = fmt.staged_dirs(tmp)[0], fmt.final_dir(s.begin, step)
   for shards, first, last in ((s.shards[:1], True, False), (s.shards[1:], False, True)):
@@ -169,7 +169,7 @@ def test_a_registered_format_saves_lists_restores_keeps_and_detects_corruption(
 
   # An aborted save leaves nothing behind, and is never listed.
   s = DRIVERS[name](directory, 4)
-  tmp = client.begin(0, s.begin, 4, format=name).result()
+  tmp = client.begin(0, Begin(s.begin, 4, name)).result()
   fmt = formats_lib.DEFAULT.get(name)
   tmp_dir, final_dir = fmt.staged_dirs(tmp)[0], fmt.final_dir(s.begin, 4)
   client.stage(0, Stage(directory=directory, step=4, tmp_dir=tmp_dir, final_dir=final_dir,
@@ -198,4 +198,4 @@ def test_a_begin_names_its_format_by_its_one_name(name, client, tmp_path):
                        match=rf"format must be one of the registered formats "
                        rf"{formats_lib.DEFAULT.names!r}, got {other!r}".replace("[", r"\[")
                        .replace("]", r"\]")):
-      client.begin(0, DRIVERS[name](directory, 1).begin, 1, format=other).result()
+      client.begin(0, Begin(DRIVERS[name](directory, 1).begin, 1, other)).result()

@@ -368,3 +368,7 @@ def test_a_torch_loop_rolls_back_in_process_with_its_dataloader(torch_ctl, tmp_p
   for step, w in log:
     assert torch.equal(w, dict(whole)[step]), step  # the re-done steps too: exactly
   assert [(r.failed_step, r.step, r.durable) for r in rollbacks] == [(8, 6, True), (11, 9, True)]
+  # Each restored from the sidecar's RAM tier, and says so (it said "unknown tier": a DCP
+  # load kept no stats).
+  assert [r.tier for r in rollbacks] == ["ram", "ram"]
+  assert "rolled back in-process to step 6 (ram tier" in rollbacks[0].summary()

@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import sidecar
-from sidecar._src.ckptfmt.phases import Stage
+from sidecar._src.ckptfmt.phases import Begin, Stage
 from sidecar._src.wire import ipc, protocol
 from sidecar._src.wire.protocol import pb
 from tests.conftest import eventually
@@ -367,7 +367,7 @@ def test_a_save_abandoned_mid_stage_gives_its_blocks_back(make_server, tmp_path,
     directory = str(tmp_path / "ck")
     client = ctl.checkpoint_client()
     client.open(0, directory, ram_steps=1, ram_budget=None, sweep=True).result()
-    tmp = client.begin(0, directory, 3, format="orbax").result()
+    tmp = client.begin(0, Begin(directory, 3, "orbax")).result()
     n = 1 << 18  # large enough to go through the arena
     spec = spec_lib.LeafSpec(key_path=("w",), shape=(2, n), dtype=np.float32, kind="np.ndarray",
                            write_shape=(1, n))
@@ -394,7 +394,7 @@ def test_two_sessions_stage_one_step_into_one_host(make_server, tmp_path):
     directory = str(tmp_path / "ck")
     clients = [a.checkpoint_client(), b.checkpoint_client()]
     clients[0].open(0, directory, ram_steps=1, ram_budget=None, sweep=True).result()
-    tmp = clients[0].begin(0, directory, 3, format="orbax").result()
+    tmp = clients[0].begin(0, Begin(directory, 3, "orbax")).result()
     n = 1 << 16
     spec = spec_lib.LeafSpec(key_path=("w",), shape=(2, n), dtype=np.float32,
                            kind="np.ndarray", write_shape=(1, n))
@@ -427,7 +427,7 @@ def test_stopping_mid_save_aborts_the_staging_and_joins_the_threads(make_server,
     directory = str(tmp_path / "ck")
     client = ctl.checkpoint_client()
     client.open(0, directory, ram_steps=1, ram_budget=None, sweep=True).result()
-    tmp = client.begin(0, directory, 3, format="orbax").result()
+    tmp = client.begin(0, Begin(directory, 3, "orbax")).result()
     n = 1 << 18
     spec = spec_lib.LeafSpec(key_path=("w",), shape=(2, n), dtype=np.float32,
                            kind="np.ndarray", write_shape=(1, n))

@@ -2,6 +2,7 @@
 socket, seen in ``Status.trainers``: a long phase's budget (``Controller.phase``,
 ``Worker.phase``), the end of its startup, and a malformed phase frame refused."""
 
+import numpy as np
 import pytest
 
 import sidecar
@@ -81,3 +82,58 @@ def test_the_startup_ends_at_the_second_batch_taken_and_is_told_once():
   s.batch(0.0, 2.0)
   s.batch(0.0, 3.0)
   assert told.phases == [stall.Phase(stall.STARTUP)] and ledger == [0.1, 0.0, 0.0]
+
+
+def test_each_elastic_attempt_is_a_phase_until_its_first_step(make_server):
+  """Issue 69: an elastic attempt restores and recompiles before its first step; each one
+  has stall.ATTEMPT's budget until its feed's second batch, then the floor again. The second
+  attempt (here after a Regrow, as after a loss) is one too."""
+  import jax
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+  from sidecar._src.user import registry as registry_lib
+  from tests.support import feed_fns
+
+  reg = registry_lib.Registry()
+  reg.add(registry_lib.PIPELINE, "ids", feed_fns.ids)
+  server = make_server(stall_timeout_s=FLOOR_S, registry=reg)
+  rows = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("data",)), P("data"))
+  seen: list[float] = []  # the trainer's stall timeout, as Status lists it
+
+  def look(ctl):
+    ctl.worker(0).check_alive()  # a request after the frames: they were handled
+    t = _trainer(server.address)
+    seen.append(t.stall_timeout_s)
+
+  with sidecar.jax.Controller([server.address]) as ctl:
+    @sidecar.elastic.retry(ctl, grow=True)
+    def train(hosts):
+      look(ctl)  # its restore would run here
+      with ctl.feed("ids", kwargs={"n": 64}, global_batch_size=2, sharding=rows) as feed:
+        next(feed)  # taken before the first step's compile
+        look(ctl)
+        next(feed)  # step 1 is done
+        look(ctl)
+        next(feed)
+      if len(seen) < 6:
+        raise sidecar.elastic.Regrow(1, [])  # a second attempt, as after a loss
+      return hosts
+
+    assert train() == [0]
+  budget = stall.ATTEMPT_BUDGET_S
+  assert seen == [budget, budget, FLOOR_S] * 2
+
+
+def test_a_phase_until_a_step_ends_once_at_the_second_batch_or_at_its_end():
+  told = Told()
+  s = startup.Startup(lambda: [told])
+  with s.until_step("retry", 60):
+    s.batch(0.0, 1.0)
+    s.batch(0.0, 2.0)  # the first step since it began: it ends (and the startup)
+    s.batch(0.0, 3.0)
+  assert told.phases == [stall.Phase("retry", 60), stall.Phase(stall.STARTUP),
+                         stall.Phase("retry")]
+  told.phases.clear()
+  with s.until_step("retry", 60):
+    s.batch(0.0, 4.0)  # no step completed: it ends with the block
+  assert told.phases == [stall.Phase("retry", 60), stall.Phase("retry")]

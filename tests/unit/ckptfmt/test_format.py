@@ -17,7 +17,7 @@ import pytest
 from sidecar._src.ckptfmt import direct_io, records, registry as formats_lib
 from sidecar._src.ckptfmt.format import Format, Uncommitted
 from sidecar._src.ckptfmt.orbax.format import LeafNumbering
-from sidecar._src.ckptfmt.phases import Commit, Stage
+from sidecar._src.ckptfmt.phases import Begin, Commit, Stage
 from sidecar._src.ckptfmt.records import shard_crc32c
 from sidecar._src.ckptfmt.spec import LeafSpec
 from sidecar._src.core import errors
@@ -101,7 +101,7 @@ def test_a_new_format_is_one_subclass_and_one_registry_entry(tmp_path):
   w = np.arange(8, dtype=np.float32).reshape(4, 2)
   directory = str(tmp_path / "ck")
   writer.open(directory)
-  tmp = writer.begin(directory, 5, format="npy", owner="a")
+  tmp = writer.begin(Begin(directory, 5, "npy"), owner="a")
   final = tmp.removesuffix(SUFFIX)
   writer.stage(Stage(directory, 5, tmp, final, [spec], [staged(("w",), 0, ((0, 2), (0, 2)), w[:2])],
                      last=False), owner="a")

@@ -190,3 +190,19 @@ def test_a_formats_markers_and_scratch_directories_are_the_registrys_answers(tmp
   assert not formats.has_markers(tmp_path / "step")  # its item's, not its own
   assert formats.is_checkpoint(tmp_path / "step")
 
+
+
+def test_the_registry_knows_every_formats_markers_once_and_finds_them(tmp_path):
+  """has_markers is asked of each directory above a staged step at every Stage: the list
+  is the registry's, made once (it was rebuilt at each call)."""
+  default = formats_lib.DEFAULT
+  every = [m for f in default.formats.values() for m in f.markers]
+  assert list(default.markers) == list(dict.fromkeys(every))
+  assert len(default.markers) == len(set(default.markers))
+  assert not default.has_markers(tmp_path)
+  for marker in default.markers:
+    (tmp_path / marker).touch()
+    assert default.has_markers(tmp_path)
+    (tmp_path / marker).unlink()
+  only = formats_lib.Registry({"orbax": OrbaxFormat()})
+  assert only.markers == tuple(dict.fromkeys(OrbaxFormat().markers))

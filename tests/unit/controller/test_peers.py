@@ -24,10 +24,10 @@ def test_any_store_with_publish_and_read_gathers_broadcasts_and_agrees():
   def body(peers):
     gathered = peers.all_gather("g", f"v{peers.index}")
     told = peers.broadcast("b", "from-0" if peers.index == 0 else None)
-    peers.agree("a", {"step": 3}, what="the step")
+    peers.check_same("a", {"step": 3}, what="the step")
     return gathered, told
   assert run(3, body) == [(["v0", "v1", "v2"], "from-0")] * 3
-  outcomes = run(2, lambda peers: peers.agree("a", {"step": peers.index}, what="the step"))
+  outcomes = run(2, lambda peers: peers.check_same("a", {"step": peers.index}, what="the step"))
   assert all(isinstance(e, errors.InvalidArgumentError) and "process 1: step=1" in str(e)
              for e in outcomes)
 
@@ -48,7 +48,7 @@ def test_local_peers_agree_with_themselves():
   peers = peers_lib.LocalPeers()
   assert peers.all_gather("k", "v") == ["v"]
   assert peers.broadcast("b", "x") == "x"
-  peers.agree("a", 1, what="anything")
+  peers.check_same("a", 1, what="anything")
 
 
 def test_processes_may_share_a_host_but_not_a_device():

@@ -117,7 +117,7 @@ def test_all_gather_and_broadcast_across_three_processes():
 
 
 def test_agreement_fails_in_every_process_naming_each_value():
-  outcomes = run_processes(2, lambda peers: peers.agree(
+  outcomes = run_processes(2, lambda peers: peers.check_same(
       "a", {"step": 5 + peers.index, "seed": 0}, what="the step"))
   for e in outcomes:
     assert isinstance(e, errors.InvalidArgumentError)
@@ -126,7 +126,7 @@ def test_agreement_fails_in_every_process_naming_each_value():
 
 
 def test_agreement_of_equal_values_passes():
-  assert run_processes(2, lambda peers: peers.agree("a", [1, "x"], what="it")) == [None, None]
+  assert run_processes(2, lambda peers: peers.check_same("a", [1, "x"], what="it")) == [None, None]
 
 
 def test_a_missing_process_is_a_deadline_naming_it_not_a_hang():

@@ -8,7 +8,7 @@ import pytest
 
 from sidecar._src.ckptfmt import spec as spec_lib
 from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart
-from sidecar._src.ckptfmt.phases import Commit, Stage
+from sidecar._src.ckptfmt.phases import Begin, Commit, Stage
 from sidecar._src.ckptfmt.records import CommitPlan, ShardId, ShardRecord, Staged
 from sidecar._src.core import errors
 from sidecar._src.server.checkpoint import links as links_lib
@@ -65,7 +65,8 @@ def test_a_stage_survives_the_wire_as_the_same_value_every_field_of_it():
   stage = Stage(directory="/ckpt", step=7, tmp_dir="/ckpt/7.dcp-checkpoint-tmp",
                 final_dir="/ckpt/7", leaves=[spec],
                 shards=[Staged(ShardRecord.of(ShardId(("a",), ((0, 6),)), 0, a, host=1), a)],
-                last=False, writers=3, extra=DcpPart(2, 5), plan=plan, begin_format="dcp")
+                last=False, writers=3, extra=DcpPart(2, 5), plan=plan,
+                begin=Begin("/ckpt", 7, "dcp"))
   defaults = {f.name: f.default for f in dataclasses.fields(Stage)}
   assert all(getattr(stage, name) != default for name, default in defaults.items()
              if default is not dataclasses.MISSING), "a field left at its default"
@@ -82,6 +83,60 @@ def test_a_stage_survives_the_wire_as_the_same_value_every_field_of_it():
   assert wire.stage_from_pb(_sent(wire.stage_to_pb(
       Stage("/ckpt", 7, "/t", "/f", [], []), worker_session="", to_arena=None)), None
   ) == Stage("/ckpt", 7, "/t", "/f", [], [])  # the defaults come back as defaults
+
+
+def test_a_begin_survives_the_wire_as_the_same_value_every_field_of_it():
+  """A save's Begin phase is one value (``ckptfmt/phases.Begin``) the wire alone converts:
+  each field comes back as sent, the caller's worker session beside it; a Stage that
+  begins its step carries the same value (its ``begin_format`` on the wire)."""
+  begin = Begin(directory="/ckpt/run", step=7, format="dcp")
+  request = _sent(wire.begin_to_pb(begin, worker_session="w1"))
+  assert (request.directory, request.step, request.format, request.worker_session) == (
+      "/ckpt/run", 7, "dcp", "w1")
+  got = wire.begin_from_pb(request)
+  assert got == begin
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    got.format = "orbax"  # type: ignore[misc]
+  assert wire.begin_from_pb(_sent(wire.begin_to_pb(begin, worker_session=""))) == begin
+  stage = Stage("/ckpt/run", 7, "/ckpt/run.dcp-checkpoint-tmp", "/ckpt/run", [], [],
+                begin=begin)
+  request = _sent(wire.stage_to_pb(stage, worker_session="", to_arena=None))
+  assert request.begin_format == "dcp"
+  assert wire.stage_from_pb(request, None).begin == begin
+
+
+def test_a_stage_begins_only_its_own_step():
+  """The Begin a Stage carries is of the Stage's directory and step (the wire sends only
+  its format): another's is refused where the value is made."""
+  with pytest.raises(errors.InvalidArgumentError,
+                     match=r"a Stage of step 7 of '/ckpt' cannot begin step 8 of '/ckpt'"):
+    Stage("/ckpt", 7, "/t", "/f", [], [], begin=Begin("/ckpt", 8, "orbax"))
+  with pytest.raises(errors.InvalidArgumentError, match="cannot begin step 7 of '/other'"):
+    Stage("/ckpt", 7, "/t", "/f", [], [], begin=Begin("/other", 7, "orbax"))
+
+
+def test_a_phase_value_and_its_sequences_are_immutable():
+  """Frozen all through: a Stage's or a Commit's sequences are tuples (lists given become
+  tuples) and a Commit's replicas a read-only mapping, so no holder of a value (the
+  servicer, the writer) changes what another holds."""
+  a = np.arange(6, dtype=np.int16)
+  spec = spec_lib.LeafSpec(key_path=("a",), shape=(6,), dtype=np.int16)
+  staged = Staged(ShardRecord.of(ShardId(("a",), ((0, 6),)), 0, a), a)
+  stage = Stage("/ckpt", 7, "/t", "/f", [spec], [staged])
+  assert (stage.leaves, stage.shards) == ((spec,), (staged,))
+  with pytest.raises(AttributeError):
+    stage.shards.clear()  # type: ignore[attr-defined]
+  record = ShardRecord(ShardId(("a",), ((0, 6),)), 0, 1, "int16", (6,), 12, crc32c=7)
+  commit = Commit("/t", 7, 2, [spec], [record], "", True, replicas={0: [1]})
+  assert (commit.leaves, commit.shards, dict(commit.replicas or {})) == (
+      (spec,), (record,), {0: (1,)})
+  with pytest.raises(TypeError):
+    commit.replicas[1] = (0,)  # type: ignore[index]
+  got = wire.stage_from_pb(_sent(wire.stage_to_pb(stage, worker_session="", to_arena=None)),
+                           None)
+  assert isinstance(got.leaves, tuple) and isinstance(got.shards, tuple)
+  got_commit = wire.commit_from_pb(_sent(wire.commit_to_pb(commit)))
+  assert isinstance(got_commit.shards, tuple) and got_commit == commit
 
 
 def test_a_commit_survives_the_wire_as_the_same_value_every_field_of_it():

@@ -288,8 +288,10 @@ class Checkpointer:
   def save_to(self, target: Target, tree: Any, *, data_state: dict[str, Any] | None = None
               ) -> SaveHandle:
     """Deprecated: an Orbax manager's items are ``sidecar.orbax.SidecarCheckpointHandler``'s;
-    a step of this checkpointer is ``save(step, tree)``."""
+    a step of this checkpointer is ``save(step, tree)``. On the controller's live hosts,
+    as ``save`` (:meth:`_follow`)."""
     deprecation.warn("sidecar.jax.Checkpointer.save_to", _ORBAX_MANAGER)
+    self._follow()
     return self._start(target, tree, data_state)
 
   def mark_committed(self, target: Target) -> None:

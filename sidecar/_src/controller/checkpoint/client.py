@@ -28,7 +28,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from sidecar._src.ckptfmt.phases import Commit, Stage
+from sidecar._src.ckptfmt.phases import Begin, Commit, Stage
 from sidecar._src.ckptfmt.records import (
   Held,
   Manifest,
@@ -246,16 +246,15 @@ class CheckpointTransport(abc.ABC):
     it, as another job's refusal names it."""
 
   @abc.abstractmethod
-  def begin(self, host: int, directory: str, step: int, *, format: str  # noqa: A002
-            ) -> concurrent.futures.Future:
-    """Future of the step's tmp directory, in the layout of ``format`` (a registered
-    format's name; ``"dcp"``: ``directory`` is the checkpoint's own, its tmp one beside it)."""
+  def begin(self, host: int, begin: Begin) -> concurrent.futures.Future:
+    """Future of the step's tmp directory, once ``host`` began ``begin``
+    (``ckptfmt/phases.Begin``: its fields say what each means)."""
 
   @abc.abstractmethod
   def stage(self, host: int, stage: Stage) -> concurrent.futures.Future:
     """Future of the bytes of the step staged on ``host`` so far, once it took ``stage``
     (``ckptfmt/phases.Stage``: its fields say what each means). A ``stage`` with a
-    ``begin_format`` begins the step there first: its call is waited for at once."""
+    ``begin`` begins the step there first: its call is waited for at once."""
 
   @abc.abstractmethod
   def prepared(self, host: int, final_dir: str, *, timeout: float
@@ -398,11 +397,10 @@ class CheckpointClient(CheckpointTransport):
       request.ram_budget = ram_budget
     return self._rpc(host, "Open", request, lambda r: list(r.steps))
 
-  def begin(self, host, directory, step, *, format):
+  def begin(self, host, begin):
     w = self._worker(host)  # the save is in flight there while this worker is attached
-    return self._rpc(host, "Begin", ckpt_pb.CheckpointBeginRequest(
-        directory=directory, step=step, format=format,
-        worker_session=w.session if w is not None else ""), lambda r: r.tmp_directory)
+    return self._rpc(host, "Begin", wire.begin_to_pb(
+        begin, worker_session=w.session if w is not None else ""), lambda r: r.tmp_directory)
 
   def stage(self, host, stage):
     w = self._worker(host)
@@ -410,7 +408,7 @@ class CheckpointClient(CheckpointTransport):
                                to_arena=w.ref_of if w is not None else None)
     # A Stage that begins its step is waited for at once (save() waits for its answer).
     return self._rpc(host, "Stage", request, lambda r: r.staged_bytes,
-                     held=[s.data for s in stage.shards], now=bool(stage.begin_format))
+                     held=[s.data for s in stage.shards], now=stage.begin is not None)
 
   def prepared(self, host, final_dir, *, timeout):
     return self._rpc(host, "Prepared", ckpt_pb.CheckpointPreparedRequest(

@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt import spec as spec_lib
 from sidecar._src.ckptfmt.format import Format
-from sidecar._src.ckptfmt.phases import Commit, Stage
+from sidecar._src.ckptfmt.phases import Begin, Commit, Stage
 from sidecar._src.ckptfmt.records import CommitPlan, Replicated, ShardRecord
 from sidecar._src.controller.checkpoint.client import CheckpointTransport, FormatExtra
 from sidecar._src.controller.checkpoint.staging import Lot
@@ -91,10 +91,10 @@ class Target:
 @dataclasses.dataclass(frozen=True, slots=True)
 class BeginWithStage:
   """A step begun by its first Stage on the host that begins it, not by a Begin of its own
-  (one round trip less): in ``format``; ``told(error)`` is called once that Stage answered
-  (``error`` None: the step is begun there, its tmp directory made) or failed (then it
-  was never begun there)."""
-  format: str
+  (one round trip less): that Stage carries ``begin``; ``told(error)`` is called once it
+  answered (``error`` None: the step is begun there, its tmp directory made) or failed
+  (then it was never begun there)."""
+  begin: Begin
   told: Callable[[BaseException | None], None]
 
 
@@ -120,13 +120,14 @@ class SaveProtocol:
     self.client, self.directory, self.format = client, directory, format
     self.writers = dict(writers or {})
 
-  def begin(self, host: int, path: str, step: int) -> str:
-    """Makes the step's tmp directory on ``host``; returns it. ``path``: the checkpoint
-    directory, or a one-directory checkpoint's own path (its tmp one beside it)."""
+  def begin(self, host: int, begin: Begin) -> str:
+    """Makes the step's tmp directory on ``host``; returns it. ``begin.directory``: the
+    checkpoint directory, or a one-directory checkpoint's own path (its tmp one beside
+    it)."""
     try:
-      return self.client.begin(host, path, step, format=self.format).result()
+      return self.client.begin(host, begin).result()
     except errors.SidecarError as e:
-      e.add_note(f"host {host} could not begin step {step} in {path}")
+      e.add_note(f"host {host} could not begin step {begin.step} in {begin.directory}")
       raise
 
   def sends(self, target: Target, *, hosts: Sequence[int],
@@ -302,7 +303,7 @@ class Sends:
           p.directory, t.step, t.tmp_dir, t.final_dir, self._leaves if first else [],
           list(got.shards), got.last, len(p.writers.get(host, ())) or 1,
           self._extra if first else self._rest, self._plan if got.last else None,
-          begin.format if begin is not None else ""))
+          begin.begin if begin is not None else None))
       if begin is not None:  # the step is begun once this answers: say so at once
         self._last[host].result()
     except BaseException as e:

@@ -40,6 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from sidecar._src.ckptfmt import spec as spec_lib
+from sidecar._src.ckptfmt.phases import Begin
 from sidecar._src.ckptfmt.records import CommitPlan, ShardRecord
 from sidecar._src.controller.checkpoint.client import FormatExtra
 from sidecar._src.controller.checkpoint.coordination import Begun, Coordination, describe
@@ -159,6 +160,7 @@ class SaveRun:
     self.replication: concurrent.futures.Future | None = None
     self.stats: dict[str, float] = {}
     self._begun = Begun("")
+    self._first_stage_begins: Begin | None = None  # the Begin its first Stage carries
     # What the sidecars commit the step with, themselves (its last Stages carry it); None:
     # the trainers commit it.
     self.plan: CommitPlan | None = None
@@ -177,10 +179,13 @@ class SaveRun:
     def here() -> Begun:
       if not t.whole_step:
         return Begun("")
-      host, path = self.local[0], self._path or t.directory
+      host = self.local[0]
+      begin = Begin(self._path or t.directory, t.step, self.protocol.format)
       if self._begins_with_stage():  # one round trip less: where its Begin would make it
-        return Begun(t.fmt.tmp_of(path, t.step), host, uuid.uuid4().hex, with_stage=True)
-      return Begun(self.protocol.begin(host, path, t.step), host, uuid.uuid4().hex)
+        self._first_stage_begins = begin
+        return Begun(t.fmt.tmp_of(begin.directory, begin.step), host, uuid.uuid4().hex,
+                     with_stage=True)
+      return Begun(self.protocol.begin(host, begin), host, uuid.uuid4().hex)
     self._begun = self._coordination.begin(t.step, here)
     return self.begun(self._begun.tmp)
 
@@ -222,8 +227,8 @@ class SaveRun:
     the step over before it answers: once ``staged`` resolves in every process, the step
     is the sidecars' to commit, whatever happens to the trainers."""
     self.plan = self._plan(data_state_json)
-    begin = (BeginWithStage(self.protocol.format, self._told_begun) if self._begun.with_stage
-             else None)
+    first = self._first_stage_begins if self._begun.with_stage else None
+    begin = BeginWithStage(first, self._told_begun) if first is not None else None
     try:
       # staged resolves as the last Stage's answer comes (on its thread: save(), waiting
       # for it, need not wait for this one to wake too).

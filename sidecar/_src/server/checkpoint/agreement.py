@@ -61,7 +61,11 @@ from sidecar._src.server.checkpoint import (
 
 log = logging.getLogger(__name__)
 POLL_S = 0.5  # a host's heartbeat to the committer, and how often the committer looks around
-SILENT_S = 5.0  # a host unheard from this long is asked; one that does not answer is gone
+# A host unheard from this long (two of its heartbeats missed) is asked; one that does not
+# answer is gone. Asking is cheap and decides nothing by itself (a live host answers), while
+# every second here is a second that a save in flight at a host loss holds the trainer's
+# next save (the trainer's controller knows the loss; this sidecar learns it only so).
+SILENT_S = 1.0
 CALL_S = 10.0  # the longest one Agree call waits
 KEEP_S = 600.0  # how long a decided save is kept, for a host or a trainer that asks late
 

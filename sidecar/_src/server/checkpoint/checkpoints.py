@@ -34,6 +34,7 @@ checkpoint roots; ``delete`` and ``abort`` remove only step directories a checkp
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import os
 import queue
@@ -68,6 +69,10 @@ SHM_ENV = env_lib.REPLICA_SHM
 # its arena memory given back. Long enough for the slowest host of a big save.
 UNCOMMITTED_ENV = env_lib.UNCOMMITTED_TIMEOUT
 UNCOMMITTED_TIMEOUT_S = 600.0
+# The threads spawned on this thread inside :meth:`Checkpoints.holding_spawns`, held there
+# until its start(); None: outside one.
+_HELD: contextvars.ContextVar[list[threading.Thread] | None] = contextvars.ContextVar(
+    "sidecar_held_spawns", default=None)
 CLOSE_TIMEOUT_S = 10.0  # how long a stopping sidecar waits for its writes in flight
 
 
@@ -181,12 +186,40 @@ class Checkpoints:
           self._threads.discard(threading.current_thread())
 
     thread = threading.Thread(target=run, name=name, daemon=True)  # daemon: a safety net
+    held = _HELD.get()
     with self._threads_lock:
       self._threads.add(thread)
+      if held is not None:  # started by the holder's start(), close() or not
+        held.append(thread)
+        return
       if not self._stopping:
         self._to_start.put(thread)
         return
     thread.start()  # the starter has ended
+
+  @contextlib.contextmanager
+  def holding_spawns(self) -> Iterator[Callable[[], None]]:
+    """The threads spawned inside the block, on its thread, start once the ``start()`` it
+    gives is called (inside or after it; idempotent), which the holder must call: a
+    Stage's step writer and commit, held until the Stage answered
+    (``service._threads_after_answer``)."""
+    held: list[threading.Thread] = []
+    token = _HELD.set(held)
+
+    def start() -> None:
+      with self._threads_lock:
+        threads, held[:] = held[:], []
+        if not self._stopping:
+          for thread in threads:
+            self._to_start.put(thread)
+          return
+      for thread in threads:
+        thread.start()  # the starter has ended
+
+    try:
+      yield start
+    finally:
+      _HELD.reset(token)
 
   def _start_spawned(self) -> None:
     """The starter thread: starts each thread spawned, in order, until close(). One the

@@ -31,7 +31,7 @@ from sidecar._src.ckptfmt import direct_io, records, registry as formats_lib
 from sidecar._src.ckptfmt.direct_io import Turn
 from sidecar._src.ckptfmt.format import Format
 from sidecar._src.ckptfmt.orbax import read as orbax_read
-from sidecar._src.ckptfmt.phases import Commit, Stage
+from sidecar._src.ckptfmt.phases import Begin, Commit, Stage
 from sidecar._src.ckptfmt.records import AgreePhase, Manifest, ShardRecord, Staged
 from sidecar._src.ckptfmt.spec import LeafSpec
 from sidecar._src.core import errors
@@ -139,44 +139,46 @@ class StepWriter:
             f"on host {self._host_id} after {wait_s:g} s; open the directory again once it "
             "is (its write goes on)")
 
-  def begin(self, directory: str, step: int, format: str = formats_lib.ORBAX,  # noqa: A002
-            owner: str = "", alive: Callable[[], bool] | None = None) -> str:
-    """Creates the step's uncommitted directory (anew), as its format (a registered name,
-    ``Format.name``; the wire's Begin always names one) names it: "orbax":
-    ``<directory>/<step>.orbax-checkpoint-tmp``; "dcp": ``<directory>.dcp-checkpoint-tmp``
-    (a committed checkpoint at ``directory`` is replaced at the commit, as DCP overwrites).
+  def begin(self, begin: Begin, *, owner: str = "",
+            alive: Callable[[], bool] | None = None) -> str:
+    """Creates the step's uncommitted directory (anew), as ``begin``'s format (the wire's
+    Begin always names one) names it: "orbax": ``<directory>/<step>.orbax-checkpoint-tmp``;
+    "dcp": ``<directory>.dcp-checkpoint-tmp`` (a committed checkpoint at ``directory`` is
+    replaced at the commit, as DCP overwrites). ``begin`` is the trainer's, as it sent it
+    (``ckptfmt/phases``); ``owner`` and ``alive`` are what this sidecar knows of the call.
     Refused while another save of the step is in flight (it would remove that save's
     files): another session's from its Begin on (``Begun``), until it is committed or
     aborted or its trainer is gone (``alive``: whether the worker of the session
     ``owner`` is attached; None: not known); another checkpointer's of this session once
     it staged."""
-    made, finish = self._begin(directory, step, format, owner, alive, None)
+    made, finish = self._begin(begin, owner, alive, None)
     try:
       finish()
     except BaseException:
-      self._begins.unreserve(pathlib.Path(self.tmp_of(directory, step, format)), owner)
+      self._begins.unreserve(
+          pathlib.Path(self.tmp_of(begin.directory, begin.step, begin.format)), owner)
       raise
     return made
 
-  def begin_staged(self, directory: str, step: int, tmp_dir: str,
-                   format: str = formats_lib.ORBAX,  # noqa: A002
-                   owner: str = "", alive: Callable[[], bool] | None = None
+  def begin_staged(self, begin: Begin, tmp_dir: str, *, owner: str = "",
+                   alive: Callable[[], bool] | None = None
                    ) -> tuple[str, Callable[[], None]]:
-    """:meth:`begin` by a Stage (its first part: one round trip less), which writes into
-    ``tmp_dir``: that must be where a save writes in the directory made (refused before
-    anything is made if not). Returns the step's uncommitted directory, made, and what
-    finishes it (``Format.begin_tmp``): :meth:`stage` hands that to the step's writer
-    thread (``finish_tmp``), which runs it before it writes, off the trainer's wait."""
-    return self._begin(directory, step, format, owner, alive, tmp_dir)
+    """:meth:`begin` by a Stage (its first part, which carries ``begin``: one round trip
+    less), which writes into ``tmp_dir``: that must be where a save writes in the
+    directory made (refused before anything is made if not). Returns the step's
+    uncommitted directory, made, and what finishes it (``Format.begin_tmp``):
+    :meth:`stage` hands that to the step's writer thread (``finish_tmp``), which runs it
+    before it writes, off the trainer's wait."""
+    return self._begin(begin, owner, alive, tmp_dir)
 
-  def _begin(self, directory: str, step: int, format: str, owner: str,  # noqa: A002
-             alive: Callable[[], bool] | None, tmp_dir: str | None
-             ) -> tuple[str, Callable[[], None]]:
+  def _begin(self, begin: Begin, owner: str, alive: Callable[[], bool] | None,
+             tmp_dir: str | None) -> tuple[str, Callable[[], None]]:
     """:meth:`begin`'s checks, its record and the directory's making; returns the
     directory and what finishes it."""
-    step = roots_lib.as_int(step, "step")
-    fmt = self._formats.get(format)
-    tmp = pathlib.Path(self.tmp_of(directory, step, format))
+    directory = begin.directory
+    step = roots_lib.as_int(begin.step, "step")
+    fmt = self._formats.get(begin.format)
+    tmp = pathlib.Path(self.tmp_of(directory, step, begin.format))
     if tmp_dir is not None and fmt.staged_dirs(fmt.tmp_of(directory, step))[0] != tmp_dir:
       raise errors.InvalidArgumentError(
           f"stage: tmp_dir {tmp_dir!r:.200} is not where a save of step {step} of "
@@ -310,6 +312,11 @@ class StepWriter:
             f"stage: step {own.step} at {final_dir!r:.200} is being saved by another "
             f"session on host {self._host_id}; only the session that began a save stages "
             "its parts")
+      if (own is not None and phase is step_lib.Phase.FAILED and own.tmp_dir == tmp_dir
+          and owner in own.owners and finish_tmp is None):  # a later part of a failed save
+        assert own.error is not None
+        raise write_lib.write_failure(self._host_id, step, final_dir, own.error,
+                                      tmp_dir=tmp_dir)
       if own is None or not writing:
         own = step_lib.Step(directory, step, final_dir, tmp_dir=tmp_dir, writers=writers,
                             format=fmt.name, numbering=fmt.numbering(leaves))
@@ -345,7 +352,7 @@ class StepWriter:
       self._take_over(own)  # before this Stage answers: the sidecars commit it now
     return staged
 
-  def _here(self, shards: list[Staged]) -> list[Staged]:
+  def _here(self, shards: Sequence[Staged]) -> list[Staged]:
     """``shards``, each record naming this host; InvalidArgumentError for another's."""
     out = []
     for s in shards:

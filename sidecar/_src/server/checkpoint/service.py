@@ -15,21 +15,24 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import errno
+import functools
 import logging
 import math
 import os
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
 import numpy as np
 
+from sidecar._src.ckptfmt.phases import Begin
 from sidecar._src.ckptfmt.records import Manifest
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
 from sidecar._src.server.arenas.arena_io import ArenaIO
-from sidecar._src.server.checkpoint import copies, links as links_lib, ram_yield
+from sidecar._src.server.checkpoint import copies, links as links_lib, ram_yield, roots as roots_lib
 from sidecar._src.server.checkpoint.checkpoints import Checkpoints
 from sidecar._src.server.limits import CheckpointSlots, InlineBytes, Sessions, Slots
 from sidecar._src.server.tenancy import tenants as tenants_lib
@@ -116,6 +119,25 @@ def _steps_pb(copies: list[ram_yield.Copy]) -> list[ckpt_pb.RamTierSteps]:
     entry.nbytes += c.nbytes
   return list(out.values())
 
+
+
+def _threads_after_answer(handler: Callable[..., Any]) -> Callable[..., Any]:
+  """A handler whose threads (a Stage's: its step's writer, its commit taken over) start
+  once its call ended, answered or failed, not while it answers. The writer writes and
+  checksums on idle-class threads that hold the GIL between their calls into C: on a busy
+  host (the OS runs them last), the Stage that spawned them waited behind them for the
+  GIL before it answered (its handler's median 2.5-2.6 ms, p90 up to 8.5, against 1.4 and
+  1.8 with their start held back, at a load of 9-10 on this 2-core machine; issue 69's
+  ``benchmarks/save_return``). The step is written that much later (a fraction of a ms)."""
+  @functools.wraps(handler)
+  def wrapper(self: CheckpointService, r: Any, context: grpc.ServicerContext) -> Any:
+    with self._checkpoints.holding_spawns() as start:
+      try:
+        return handler(self, r, context)
+      finally:
+        if not context.add_callback(start):  # ended already
+          start()
+  return wrapper
 
 
 def _documented(rpc: str, e: Exception) -> Exception:
@@ -298,31 +320,32 @@ class CheckpointService:
 
   def begin(self, r: ckpt_pb.CheckpointBeginRequest, context: grpc.ServicerContext
             ) -> ckpt_pb.CheckpointBeginResponse:
-    tmp, _ = self._begin(r.directory, _step(r.step), r.format, r.worker_session, context)
+    _step(r.step)
+    tmp, _ = self._begin(wire.begin_from_pb(r), r.worker_session, context)
     return ckpt_pb.CheckpointBeginResponse(tmp_directory=tmp)
 
-  def _begin(self, directory: str, step: int, format: str, worker: str,  # noqa: A002
-             context: grpc.ServicerContext, *, tmp_dir: str | None = None
-             ) -> tuple[str, Callable[[], None] | None]:
-    """Begin's work; returns the step's tmp directory. A Stage's that begins its step
+  def _begin(self, begin: Begin, worker: str, context: grpc.ServicerContext, *,
+             tmp_dir: str | None = None) -> tuple[str, Callable[[], None] | None]:
+    """``begin``'s work; returns the step's tmp directory. A Stage's that begins its step
     (``tmp_dir``, where it writes, must be in what this makes) returns with it what
     finishes it, which the step's writer thread runs (``StepWriter.stage``'s
     ``finish_tmp``), off the trainer's wait."""
     client = self._client(context)
-    self._checkpoints.check_storage(client, directory, 0)
+    self._checkpoints.check_storage(client, begin.directory, 0)
     if client is not None:  # the step's directory too (DCP's lies beside directory)
       self._checkpoints.check_client(
-          client, self._checkpoints.writer.tmp_of(directory, step, format),
+          client, self._checkpoints.writer.tmp_of(begin.directory, begin.step, begin.format),
           "the step's uncommitted directory")
     # The save is in flight while the trainer that began it is there: its worker's
     # connection closes as its process dies.
     alive = (lambda: self._arena_io.is_attached(worker)) if worker else None
     if tmp_dir is None:
-      return self._checkpoints.writer.begin(directory, step, format, _session(context),
-                                            alive=alive), None
-    return self._checkpoints.writer.begin_staged(directory, step, tmp_dir, format,
-                                                 _session(context), alive=alive)
+      return self._checkpoints.writer.begin(begin, owner=_session(context), alive=alive), None
+    return self._checkpoints.writer.begin_staged(begin, tmp_dir, owner=_session(context),
+                                                 alive=alive)
 
+  @_threads_after_answer
+  @roots_lib.resolved_once  # its paths lie in one directory: each resolved once
   def stage(self, r: ckpt_pb.CheckpointStageRequest, context: grpc.ServicerContext
             ) -> ckpt_pb.CheckpointStageResponse:
     _step(r.step)
@@ -331,21 +354,22 @@ class CheckpointService:
     worker = r.worker_session  # the trainer that stages it is there while it is attached
     alive = (lambda: self._arena_io.is_attached(worker)) if worker else None
     begun, finish_tmp = (  # its first part on the host that begins it
-        self._begin(stage.directory, stage.step, stage.begin_format, worker, context,
-                    tmp_dir=stage.tmp_dir)
-        if stage.begin_format else ("", None))
+        self._begin(stage.begin, worker, context, tmp_dir=stage.tmp_dir)
+        if stage.begin is not None else ("", None))
     try:  # checked and reserved under one lock (a quota that racing parts cannot pass)
       with self._checkpoints.storage_reserved(self._client(context), stage.directory,
                                               sum(s.data.nbytes for s in stage.shards)):
         staged = self._checkpoints.writer.stage(
             stage, owner=_session(context), worker=worker, alive=alive, finish_tmp=finish_tmp)
-    except BaseException:
+    except BaseException as e:
       if begun:  # as if never begun: the trainer's abort of a failed begin removes nothing
         self._checkpoints.agreements.abort(stage.final_dir)
         self._checkpoints.writer.abort(begun, stage.final_dir)
+      # A refused part lets its blocks go at once: no frame the error passed through keeps
+      # its (immutable) shards.
+      traceback.clear_frames(e.__traceback__)
+      del stage
       raise
-    finally:
-      stage.shards.clear()  # a refused part lets its blocks go at once
     return ckpt_pb.CheckpointStageResponse(staged_bytes=staged)
 
   def prepared(self, r: ckpt_pb.CheckpointPreparedRequest, context: grpc.ServicerContext

@@ -44,7 +44,8 @@ def write_step(own: step_lib.Step, fmt: Format, *, host_id: int, tier: ram_tier.
   engine, e.g. ckptfmt/orbax/write.py): a save yields the CPU to the training step and
   feeds wherever they compete. A pool tenant's are written in its ``turn`` at the
   storage, which the tenants writing share. A write that fails before the step is whole
-  (its trainer gone mid-save: nobody will commit or abort it) drops it from the tier.
+  drops it from the tier where its trainer is gone mid-save (nobody will commit or abort
+  it); else it stays there, failed, until its trainer aborts the save.
   ``finish_tmp``: finishes the step's uncommitted directory first (``Format.begin_tmp``:
   a step begun by its first Stage, which answered without waiting for it); what it
   raises fails the write.
@@ -82,8 +83,12 @@ def write_step(own: step_lib.Step, fmt: Format, *, host_id: int, tier: ram_tier.
     e.__context__ = e.__cause__ = None  # and so would those of the exceptions it chains
     log.error("step %d: writing this host's part failed: %s", own.step, e,
               extra={"step": own.step})
-    if own.end_write(error=error) is step_lib.Phase.STAGING:  # not whole: its trainer is
-      tier.remove(own)  # gone mid-save, nobody will commit or abort it
+    # Not whole, and no trainer of it known to be there (gone mid-save: nobody will commit
+    # or abort it): it goes. A trainer still there learns the failure from its next Stage
+    # (as one that races this end does), its prepared or its commit, and aborts the save.
+    if (own.end_write(error=error) is step_lib.Phase.STAGING
+        and own.trainers_alive() is not True):
+      tier.remove(own)
     return
   own.end_write(written)
 

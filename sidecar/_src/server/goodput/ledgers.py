@@ -9,6 +9,14 @@ directory the worker's tenant opened). When a bound session ends without a ``fin
 event (the process died: a signal, an exception, an exit that skipped
 ``Controller.close()``), the sidecar appends ``died`` at that moment.
 
+A life dies stalled where its own process was stalled at its end (``steps.py``), or where
+``sidecar launch`` said another trainer of the same start stalled and was killed
+(:meth:`Ledgers.stalled`: the Stalled RPC, ``tools/watchdog.py``): process 0 is often not
+stalled yet when rank k's stall is found, and rank k's sidecar keeps no book. A report
+marks the book only; it counts where the life then dies without a finish and without
+another step (a first step, a save, more batches taken), and its stall starts no earlier
+than the session attached.
+
 What a frame may do is bounded, whoever sends it (docs/goodput.md, "The bound"):
 
 - every event is checked (``core/goodput.Event``), at most :data:`MAX_EVENTS` a frame, and
@@ -119,6 +127,10 @@ class _Book:
     self.finished = False
     self.torn = torn  # the file does not end with a newline: the next append adds one
     self.held: goodput_lib.Event | None = None  # the latest mark, not written yet
+    self.batches = 0  # the most batches its events counted
+    # A stall of another trainer of this start, reported (sidecar launch): its last
+    # step and when it was found stalled (Unix seconds); dropped at this life's next step.
+    self.reported: tuple[float, float] | None = None
     self.marked = -MARK_EVERY_S  # when a mark was last written
     self.warned = -_WARN_EVERY_S
 
@@ -199,6 +211,12 @@ class Ledgers:
               f"event of {event.life!r:.80}")
       for event in events:
         book.finished = book.finished or event.kind == "finish"
+        stepped = event.kind in ("first_step", "save") or (
+            event.counters is not None and event.counters.batches > book.batches)
+        if stepped and book.reported is not None:
+          book.reported = None  # it stepped since: the stall reported is not its death
+        if event.counters is not None:
+          book.batches = max(book.batches, event.counters.batches)
         if event.kind == "start" and book.start is None:
           book.start = event.start
       self._append(book, events)
@@ -332,15 +350,37 @@ class Ledgers:
       book.warned = now
       return True
 
+  def stalled(self, session: str, last_step: float, found: float) -> bool:
+    """``sidecar launch`` found another trainer of ``session``'s start stalled at
+    ``found``, its last step at ``last_step`` (Unix seconds, this sidecar's clock), and
+    killed it: ``session``'s life, if it now dies without another step, died of that
+    stall. Returns whether ``session`` keeps a ledger here (process 0's does)."""
+    with self._lock:
+      book = self._books.get(session)
+      if book is None or book.finished or book.life is None:
+        return False
+      last_step = min(last_step, found)
+      if book.reported is not None:  # two reports: the earlier stall, found the later
+        last_step, found = min(last_step, book.reported[0]), max(found, book.reported[1])
+      book.reported = (last_step, found)
+      log.info("goodput: process life %s is reported stalled since %.3f (another trainer "
+               "of its start stalled)", book.life, last_step, extra={"session": session})
+      return True
+
   def ended(self, session: str, seen: float | None = None, *,
             stalled: float | None = None) -> None:
     """Worker ``session`` ended: a bound one that did not finish died now, last heard
     from at ``seen`` (Unix seconds; None: not known); ``stalled``: its last step, where
-    it died stalled (``server/goodput/steps.py``)."""
+    it died stalled (``server/goodput/steps.py``), or another trainer's, where one of its
+    start was reported stalled (:meth:`stalled`)."""
     with self._lock:
       book = self._books.pop(session, None)
       if book is None:
         return
+      if book.reported is not None:  # the stall found first (the earliest last step)
+        last_step, found = book.reported
+        stalled = last_step if stalled is None else min(stalled, last_step)
+        seen = found if seen is None else max(seen, found)
       try:
         died = []
         if not book.finished and book.life is not None and not self._closed:

@@ -122,6 +122,14 @@ class Steps:
       track = self._live.get(session)
       return None if track is None else track.attached
 
+  def of_start(self, restart: int, tenant: str | None = None, *, every: bool = True
+               ) -> list[tuple[str, float]]:
+    """The live sessions of start ``restart`` (their ``SIDECAR_RESTART``), with when each
+    attached (Unix seconds): all of them (``every``), or ``tenant``'s only."""
+    with self._lock:
+      return [(s, t.attached) for s, t in self._live.items()
+              if t.restart == restart and (every or t.tenant == tenant)]
+
   def heard(self, session: str) -> None:
     """``session``'s worker said something (a frame, a feed credit)."""
     now = self._clock()

@@ -136,6 +136,16 @@ class WorkerListener:
     with self._lock:
       return len(self._sessions)
 
+  def stalled(self, *, restart: int, since_step_s: float, tenant: str | None,
+              every: bool) -> int:
+    """``sidecar launch`` killed a stalled trainer of start ``restart``: marks the ledgers
+    its sessions keep (``every`` one's or ``tenant``'s: ``Ledgers.stalled``); how many."""
+    if self._ledgers is None:
+      return 0
+    now = time.time()
+    return sum(self._ledgers.stalled(s, max(now - since_step_s, attached), now)
+               for s, attached in self.steps.of_start(restart, tenant, every=every))
+
   @property
   def alive(self) -> bool:
     """Whether the socket still accepts workers (until close(), unless accepting broke)."""

@@ -13,7 +13,7 @@ import pytest
 
 import sidecar
 from sidecar._src.ckptfmt import spec as spec_lib
-from sidecar._src.ckptfmt.phases import Commit, Stage
+from sidecar._src.ckptfmt.phases import Begin, Commit, Stage
 from sidecar._src.ckptfmt.records import ShardId, ShardRecord
 from sidecar._src.wire import protocol
 from sidecar._src.wire.protocol import ckpt_pb, pb
@@ -83,7 +83,7 @@ def test_another_client_cannot_join_or_commit_a_save_in_flight(make_server, tmp_
   manifest = json.loads((directory / "1" / "default" / "sidecar_manifest.json").read_text())
   leaves = [spec_lib.spec_from_dict(d) for d in manifest["leaves"]]
   mine = victim.checkpoint_client()
-  mine.begin(0, str(directory), 2, format="orbax").result()
+  mine.begin(0, Begin(str(directory), 2, "orbax")).result()
   half = staged(("w",), 0, ((0, 1024),), np.full(1024, 2.0, np.float32))
   mine.stage(0, Stage(directory=str(directory), step=2, tmp_dir=tmp_item, final_dir=final_dir,
                       leaves=leaves, shards=[], last=False)).result()
@@ -95,7 +95,7 @@ def test_another_client_cannot_join_or_commit_a_save_in_flight(make_server, tmp_
                             leaves=leaves, shards=[evil], last=True)).result()
     with pytest.raises(sidecar.SidecarError, match="is being saved by another session"):
       # It would remove the victim's files.
-      theirs.begin(0, str(directory), 2, format="orbax").result()
+      theirs.begin(0, Begin(str(directory), 2, "orbax")).result()
     with pytest.raises(sidecar.SidecarError, match="a session commits only the save it began"):
       theirs.commit(0, Commit(tmp_dir=tmp_item, step=2, num_hosts=1, leaves=leaves, shards=[],
                               data_state_json="", whole_step=True, replicas=None),
@@ -121,7 +121,7 @@ def test_another_client_cannot_join_begin_or_commit_a_dcp_save_in_flight(make_se
   with controller(server) as victim, controller(server, attach=False) as attacker:
     mine, theirs = victim.checkpoint_client(), attacker.checkpoint_client()
     mine.open(0, str(path.parent), ram_steps=1, ram_budget=None, sweep=False).result()
-    tmp = mine.begin(0, str(path), 3, format=dcp.FORMAT).result()
+    tmp = mine.begin(0, Begin(str(path), 3, dcp.FORMAT)).result()
     assert tmp == str(dcp.tmp_path(path))
     mine.stage(0, Stage(directory=str(path.parent), step=3, tmp_dir=tmp, final_dir=str(path),
                         leaves=[], shards=[], last=False, extra=part)).result()
@@ -130,7 +130,7 @@ def test_another_client_cannot_join_begin_or_commit_a_dcp_save_in_flight(make_se
       theirs.stage(0, Stage(directory=str(path.parent), step=3, tmp_dir=tmp, final_dir=str(path),
                             leaves=[], shards=[evil], last=True, extra=part)).result()
     with pytest.raises(sidecar.SidecarError, match="is being saved by another session"):
-      theirs.begin(0, str(path), 3, format=dcp.FORMAT).result()  # would remove its files
+      theirs.begin(0, Begin(str(path), 3, dcp.FORMAT)).result()  # would remove its files
     with pytest.raises(sidecar.SidecarError, match="a session commits only the save it began"):
       theirs.commit(0, Commit(tmp_dir=tmp, step=3, num_hosts=1, leaves=[], shards=[],
                               data_state_json="", whole_step=True, replicas=None),

@@ -12,7 +12,7 @@ import pytest
 
 import sidecar
 from sidecar._src.ckptfmt import dcp, spec as spec_lib
-from sidecar._src.ckptfmt.phases import Commit, Stage
+from sidecar._src.ckptfmt.phases import Begin, Commit, Stage
 from sidecar._src.ckptfmt.records import ShardId, ShardRecord
 from sidecar._src.server.checkpoint import roots as roots_lib
 from tests.support.pool_files import ALICE, BOB, controller, write_pool
@@ -65,7 +65,7 @@ def test_a_dcp_plan_item_at_an_absolute_path_is_refused_at_the_commit(make_serve
   with controller(server, BOB) as ctl:
     client = ctl.checkpoint_client()
     client.open(0, str(path.parent), ram_steps=1, ram_budget=None, sweep=False).result()
-    tmp = client.begin(0, str(path), 1, format=dcp.FORMAT).result()
+    tmp = client.begin(0, Begin(str(path), 1, dcp.FORMAT)).result()
     data = np.zeros(item.nbytes, np.uint8)
     client.stage(0, Stage(directory=str(path.parent), step=1, tmp_dir=tmp, final_dir=str(path),
                           leaves=[], shards=[staged(("w",), 0, (), data, rank=0)], last=True,
@@ -105,7 +105,7 @@ def test_an_orbax_leaf_key_that_is_an_absolute_path_is_refused(make_server, tmp_
   with controller(server, BOB) as ctl:
     client = ctl.checkpoint_client()
     client.open(0, str(directory), ram_steps=1, ram_budget=None, sweep=True).result()
-    tmp = client.begin(0, str(directory), 1, format="orbax").result()
+    tmp = client.begin(0, Begin(str(directory), 1, "orbax")).result()
     for key in (str(alice_dir / "1" / "default" / "w"), str(outside / "w"), "a/../../w"):
       leaf = spec_lib.LeafSpec(key_path=(key,), shape=W.shape, dtype=W.dtype)
       evil = staged((key,), 0, ((0, W.size),), np.full_like(W, 666.0))
@@ -186,7 +186,7 @@ def _race(server, tmp_path, directory_of) -> int:
     with controller(server, BOB) as ctl:
       client = ctl.checkpoint_client()
       client.open(0, str(directory), ram_steps=1, ram_budget=None, sweep=True).result()
-      tmp = client.begin(0, str(directory), 1, format="orbax").result()
+      tmp = client.begin(0, Begin(str(directory), 1, "orbax")).result()
       final = str(directory / "1" / "default")
       barrier.wait(30)
       try:
@@ -253,8 +253,7 @@ def test_a_dcp_save_at_a_tenants_root_removes_nothing_beside_it(make_server, tmp
     client = ctl.checkpoint_client()
     client.open(0, str(tmp_path / "bob"), ram_steps=1, ram_budget=None, sweep=True).result()
     message = refused(PermissionError, "is in no checkpoint directory client 'bob' opened",
-                      lambda: client.begin(0, str(tmp_path / "bob"), 1,
-                                           format=dcp.FORMAT).result())
+                      lambda: client.begin(0, Begin(str(tmp_path / "bob"), 1, dcp.FORMAT)).result())
     assert str(planted.parent) in message, message
   assert planted.read_text() == "keep" and files_under(planted.parent) == ["keep.txt"]
   # Inside a directory of his own too, a sibling no save made stays where it is.
@@ -265,7 +264,7 @@ def test_a_dcp_save_at_a_tenants_root_removes_nothing_beside_it(make_server, tmp
     client = ctl.checkpoint_client()
     client.open(0, str(tmp_path / "bob"), ram_steps=1, ram_budget=None, sweep=True).result()
     refused(PermissionError, "was not made by one", lambda: client.begin(
-        0, str(tmp_path / "bob" / "ck"), 1, format=dcp.FORMAT).result())
+        0, Begin(str(tmp_path / "bob" / "ck"), 1, dcp.FORMAT)).result())
   assert inside.read_text() == "keep"
 
 
@@ -286,7 +285,7 @@ def test_roots_narrowed_by_a_reload_hold_at_the_next_call(make_server, tmp_path)
     with controller(server, BOB) as other:  # a new session, not reopening
       client = other.checkpoint_client()
       refused(PermissionError, "may checkpoint only under its checkpoint_roots",
-              lambda: client.begin(0, str(directory), 3, format="orbax").result())
+              lambda: client.begin(0, Begin(str(directory), 3, "orbax")).result())
       refused(PermissionError, "may checkpoint only under its checkpoint_roots",
               lambda: client.read(0, str(directory / "1" / "default"),
                                   ShardRecord.of(ShardId(("w",), ((0, W.size),)), 0, W),
@@ -318,7 +317,7 @@ def test_a_plan_nested_past_the_interpreters_depth_is_an_invalid_argument(make_s
   with controller(server, BOB) as ctl:
     client = ctl.checkpoint_client()
     client.open(0, str(path.parent), ram_steps=1, ram_budget=None, sweep=False).result()
-    tmp = client.begin(0, str(path), 1, format=dcp.FORMAT).result()
+    tmp = client.begin(0, Begin(str(path), 1, dcp.FORMAT)).result()
     item = dcp.Item(fqn="w", kind="bytes", nbytes=8)
     client.stage(0, Stage(directory=str(path.parent), step=1, tmp_dir=tmp, final_dir=str(path),
                           leaves=[], shards=[staged(("w",), 0, (), np.zeros(8, np.uint8), rank=0)],

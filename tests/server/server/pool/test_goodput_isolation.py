@@ -6,12 +6,15 @@ import hashlib
 import os
 import time
 
+import grpc
 import numpy as np
 import pytest
 
 import sidecar
 from sidecar._src.core import errors, goodput
 from sidecar._src.server import metrics as metrics_lib
+from sidecar._src.wire import protocol
+from sidecar._src.wire.protocol import pb
 from tests.support.metrics import samples, scrape, value
 from tests.support.pool_files import ALICE, BOB, controller, write_pool
 
@@ -134,3 +137,29 @@ def test_the_ledger_s_bound_is_each_tenant_s_pool_file_keys(make_server, tmp_pat
         assert os.path.getsize(goodput.path_in(os.path.realpath(directory))) > 128 << 10
       finally:
         worker.close()
+
+
+def _report_stall(server, token: str, *, since_s: float = 5.0) -> int:
+  """``sidecar launch``'s Stalled report (tools/watchdog.py) with ``token``: how many
+  ledgers the sidecar marked."""
+  with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+    rpc = channel.unary_unary(f"/{protocol.SERVICE}/Stalled",
+                              request_serializer=pb.StalledRequest.SerializeToString,
+                              response_deserializer=pb.StalledResponse.FromString)
+    return rpc(pb.StalledRequest(rank=1, restart=-1, since_step_s=since_s), timeout=10,
+               metadata=((protocol.AUTH_KEY, f"Bearer {token}"),)).marked
+
+
+def test_a_stall_report_marks_only_the_caller_s_own_tenant_s_ledger(make_server, tmp_path):
+  """Issue 69: the launcher's Stalled report marks process 0's ledger; with a pool, bob's
+  token marks none of alice's, and a malformed report is refused, typed."""
+  server = make_server(pool=write_pool(tmp_path, POOL))
+  with controller(server, ALICE, attach=True) as ctl, ctl.checkpointer(
+      str(tmp_path / "alice" / "a")) as ck:
+    ck.save(1, {"w": np.zeros(4, np.float32)}).durable.result(30)
+    assert _report_stall(server, BOB) == 0
+    assert _report_stall(server, ALICE) == 1
+    with pytest.raises(grpc.RpcError) as e:
+      _report_stall(server, ALICE, since_s=float("nan"))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "since_step_s must be finite seconds" in e.value.details()

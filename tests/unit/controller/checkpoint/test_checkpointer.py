@@ -119,8 +119,8 @@ class OwnTmp(FakeSidecars):
     super().__init__(**kw)
     self.tmp_dirs: list[tuple[str, str]] = []
 
-  def begin(self, host, directory, step, format=""):
-    return self._phase("begin", host, f"{directory}/{step}.orbax-checkpoint-tmp-1234")
+  def begin(self, host, begin):
+    return self._phase("begin", host, f"{begin.directory}/{begin.step}.orbax-checkpoint-tmp-1234")
 
   def stage(self, host, stage):
     self.tmp_dirs.append(("stage", stage.tmp_dir))
@@ -142,14 +142,14 @@ def test_a_step_is_written_in_the_tmp_directory_begin_answered():
 
 
 class BeginsByStage(FakeSidecars):
-  """Records the ``begin_format`` each stage carries."""
+  """Records the format of the Begin each stage carries (empty: none)."""
 
   def __init__(self, **kw):
     super().__init__(**kw)
     self.begins: list[tuple[int, str]] = []
 
   def stage(self, host, stage):
-    self.begins.append((host, stage.begin_format))
+    self.begins.append((host, stage.begin.format if stage.begin is not None else ""))
     return super().stage(host, stage)
 
 
@@ -356,6 +356,22 @@ def test_an_orbax_managers_item_is_saved_on_the_live_hosts_a_loss_leaves():
     watch.remove(2)
     fake.calls.clear()
     assert orbax_items.save_item(ckpt, item_target(2), state).durable.result(30) == 2
+    assert {h for _, h in fake.calls} == {0, 1} and ("stage", 1) in fake.calls
+
+
+def test_the_deprecated_save_to_saves_on_the_live_hosts_a_loss_leaves():
+  """Issue 69: ``Checkpointer.save_to`` follows the controller's live hosts as save() and
+  save_item do: once host 2 is seen lost, its next item is saved on hosts 0 and 1 only."""
+  fake, watch = FakeSidecars(hosts=(0, 1, 2)), [0, 1, 2]
+  state = {"x": np.full(3, 1, np.float32)}
+  with checkpointer(fake, live=lambda: tuple(watch)) as ckpt:
+    with pytest.warns(DeprecationWarning, match="Checkpointer.save_to is deprecated"):
+      assert ckpt.save_to(item_target(1), state).durable.result(30) == 1
+    fake.hosts.remove(2)  # its sidecar dies, and the watch sees it
+    watch.remove(2)
+    fake.calls.clear()
+    with pytest.warns(DeprecationWarning, match="Checkpointer.save_to is deprecated"):
+      assert ckpt.save_to(item_target(2), state).durable.result(30) == 2
     assert {h for _, h in fake.calls} == {0, 1} and ("stage", 1) in fake.calls
 
 

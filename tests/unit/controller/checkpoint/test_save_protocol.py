@@ -353,9 +353,9 @@ class LayoutSidecars(FakeSidecars):
     super().__init__(**kw)
     self.fmt, self.staged_at = fmt, []
 
-  def begin(self, host, directory, step, *, format):
-    assert format == self.fmt.name, format
-    return self._phase("begin", host, self.fmt.tmp_of(directory, step))
+  def begin(self, host, begin):
+    assert begin.format == self.fmt.name, begin.format
+    return self._phase("begin", host, self.fmt.tmp_of(begin.directory, begin.step))
 
   def stage(self, host, stage):
     self.staged_at.append((stage.tmp_dir, stage.final_dir))

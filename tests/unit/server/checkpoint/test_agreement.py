@@ -14,7 +14,7 @@ import pytest
 
 from sidecar._src.ckptfmt import records, registry as formats_lib, spec as spec_lib
 from sidecar._src.ckptfmt.orbax.format import OrbaxFormat
-from sidecar._src.ckptfmt.phases import Commit, Stage
+from sidecar._src.ckptfmt.phases import Begin, Commit, Stage
 from sidecar._src.ckptfmt.records import CommitPlan
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
@@ -31,6 +31,7 @@ from tests.support.staged import staged
 
 pytestmark = pytest.mark.unit
 
+POLL_S, SILENT_S = agreement_lib.POLL_S, agreement_lib.SILENT_S  # before `job` shortens them
 SPECS = [spec_lib.LeafSpec(key_path=("w",), shape=(4, 2), dtype=np.float32, write_shape=(2, 2))]
 STEP = 3
 
@@ -109,7 +110,7 @@ def begin(hosts, tmp_path, *, alive=lambda: True):
   """Host 0 begins step 3; its item's tmp and final directories."""
   directory = str(tmp_path / "ck")
   hosts[0].writer.open(directory)
-  tmp = hosts[0].writer.begin(directory, STEP, owner="trainer", alive=alive)
+  tmp = hosts[0].writer.begin(Begin(directory, STEP, "orbax"), owner="trainer", alive=alive)
   return directory, os.path.join(tmp, spec_lib.ITEM), str(tmp_path / "ck" / str(STEP) /
                                                            spec_lib.ITEM)
 
@@ -193,6 +194,25 @@ def test_a_host_whose_sidecar_dies_before_its_part_is_written_leaves_the_step_un
   assert os.listdir(directory) == []  # swept
 
 
+def test_a_host_gone_mid_save_is_found_within_a_few_heartbeats_not_seconds(
+    job, tmp_path, monkeypatch):
+  """Issue 69: a save in flight at a host loss held the trainer's next save ~5 s: its
+  committer waited SILENT_S=5 s of silence before asking the lost host. With the real
+  heartbeat, host 1's death mid-write is found and the save abandoned within 4 s (the old
+  wait could not end before 5 s); the trainers, alive, learn it from their Commit."""
+  monkeypatch.setattr(agreement_lib, "POLL_S", POLL_S)
+  monkeypatch.setattr(agreement_lib, "SILENT_S", SILENT_S)
+  hosts, fmt, links = job
+  directory, tmp_dir, final = begin(hosts, tmp_path)
+  for h, rows in zip(hosts, ((0, 2), (2, 4)), strict=True):
+    stage(h, directory, tmp_dir, final, rows=rows, plan=plan(), alive=lambda: True)
+  links.gone.add(1)
+  hosts[1].closed.set()  # its threads stop with it: no heartbeat any more
+  fmt.gates[0].set()  # host 1's part is never written
+  with pytest.raises(errors.HostLostError, match="host 1's sidecar is gone before its part"):
+    hosts[0].agreements.await_commit(os.path.realpath(tmp_dir), STEP, "trainer", 4.0)
+
+
 def test_hosts_of_a_committer_that_died_let_their_part_go(job, tmp_path):
   hosts, fmt, links = job
   alive = [True]
@@ -247,7 +267,8 @@ def test_a_part_whose_committer_never_began_the_save_is_refused(job, tmp_path):
   hosts, _, _ = job
   directory = str(tmp_path / "ck")
   hosts[1].writer.open(directory)
-  tmp_dir = os.path.join(hosts[1].writer.begin(directory, STEP, owner="trainer"), spec_lib.ITEM)
+  tmp_dir = os.path.join(hosts[1].writer.begin(Begin(directory, STEP, "orbax"), owner="trainer"),
+                         spec_lib.ITEM)
   final = str(tmp_path / "ck" / str(STEP) / spec_lib.ITEM)
   with pytest.raises(errors.ClosedError, match="its committer, host 0, knows no such save"):
     stage(hosts[1], directory, tmp_dir, final, rows=(2, 4), plan=plan(), alive=lambda: True)

@@ -156,3 +156,65 @@ def test_the_owners_walk_takes_an_entry_replaced_meanwhile_for_no_owner(tmp_path
   monkeypatch.setattr(roots_lib.os, "open", replaced_first)
   assert roots_lib.foreign_owner(str(tmp_path / "ck"), str(tmp_path), "alice") is None
   assert not pending  # replaced at the racy moment
+
+
+# Issue 69 item 5: a Stage resolves its directory, the step's tmp directory and its final
+# one, all in one directory; inside one call (``resolved_once``) each is resolved once, and
+# one in a directory resolved already by one lstat of its last part.
+_IN_ONE_CALL = ["ck/run1", "ck/run1/5.orbax-checkpoint-tmp",
+                "ck/run1/5.orbax-checkpoint-tmp/default", "ck/run1/5/default", "ck/run1/5",
+                "ck/run1/link-out", "ck/run1/link-out/x", "ck/run1/link-out/x/z",
+                "ck/run1/link-in", "ck/run1/link-in/y", "ck/run1/..", "ck/run1/../run1/.",
+                "ck/run1//5", "ck/run1/5/"]
+
+
+def test_a_call_resolves_each_path_as_realpath_does_symlinks_and_dots_too(root, tmp_path):
+  (root / "run1" / "link-out").symlink_to(tmp_path / "outside")
+  (root / "run1" / "link-in").symlink_to(root / "run1" / "5")
+  roots = roots_lib.Roots(0, (str(tmp_path),))
+
+  @roots_lib.resolved_once
+  def call() -> list[str]:
+    return [roots.resolve(str(tmp_path / p), "p") for p in _IN_ONE_CALL * 2]
+
+  assert call() == [os.path.realpath(tmp_path / p) for p in _IN_ONE_CALL * 2]
+
+
+def test_a_symlink_in_a_resolved_directory_still_leaves_the_root(root, tmp_path):
+  (root / "run1" / "escape").symlink_to(tmp_path / "outside")
+  roots = roots_lib.Roots(0, (str(root),))
+
+  @roots_lib.resolved_once
+  def call(name: str) -> str:
+    roots.resolve(str(root / "run1"), "directory")  # its directory, resolved first
+    return roots.resolve(str(root / "run1" / name), "tmp_dir")
+
+  tmp = "5.orbax-checkpoint-tmp"
+  assert call(tmp) == os.path.realpath(root / "run1" / tmp)
+  for name, where in (("escape", "outside"), ("escape/deeper", "outside/deeper")):
+    with pytest.raises(errors.PermissionDeniedError, match=rf"tmp_dir .*{name}' \(resolved: "
+                       rf"'{tmp_path / where}'\) is not under a checkpoint root"):
+      call(name)
+
+
+def test_a_call_resolves_a_path_once_and_one_in_its_directory_by_one_lstat(
+    root, tmp_path, monkeypatch):
+  roots = roots_lib.Roots(0, (str(root),))
+  full = []
+  realpath = os.path.realpath
+  monkeypatch.setattr(roots_lib.os.path, "realpath",
+                      lambda p: full.append(p) or realpath(p))
+  directory = str(root / "run1")
+
+  @roots_lib.resolved_once
+  def stage() -> None:
+    for path in (directory, f"{directory}/5.orbax-checkpoint-tmp", directory,
+                 f"{directory}/5/default", f"{directory}/5.orbax-checkpoint-tmp/default"):
+      roots.resolve(path, "p")
+
+  stage()
+  assert full == [directory]
+  stage()  # nothing kept from call to call
+  assert full == [directory, directory]
+  roots.resolve(directory, "p")  # outside a call: as before
+  assert full == [directory] * 3

@@ -16,7 +16,7 @@ import pytest
 from sidecar._src.ckptfmt import records, registry as formats_lib, spec as spec_lib
 from sidecar._src.ckptfmt.dcp import distcp
 from sidecar._src.ckptfmt.orbax.format import OrbaxFormat
-from sidecar._src.ckptfmt.phases import Commit, Stage
+from sidecar._src.ckptfmt.phases import Begin, Commit, Stage
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
 from sidecar._src.server.checkpoint import (
@@ -88,7 +88,7 @@ def make_writer(tmp_path):
 def begun(writer, tmp_path, step, owner="a"):
   directory = str(tmp_path / "ck")
   writer.open(directory)
-  tmp_step = writer.begin(directory, step, owner=owner)
+  tmp_step = writer.begin(Begin(directory, step, "orbax"), owner=owner)
   final = str(tmp_path / "ck" / str(step) / spec_lib.ITEM)
   return directory, os.path.join(tmp_step, spec_lib.ITEM), final
 
@@ -134,6 +134,31 @@ def test_a_write_failure_is_a_checkpoint_write_error_and_the_step_is_never_commi
   assert os.listdir(directory) == []  # no step, no tmp directory
 
 
+def test_a_part_staged_after_its_saves_write_failed_is_told_the_failure(make_writer, tmp_path):
+  """Issue 69 review: the write fails while its trainer is still staging. Its next part got
+  the failure only if it came in the microsecond between the Stage's look at the step and
+  its take; a moment later the failed step had left the tier and the part began a new,
+  partial step (its commit then 'incomplete'). Now every later part is told the failure,
+  and the trainer's abort removes the step."""
+  path = str(tmp_path / "ck" / "w" / "0")
+  engine = Recording(fail=OSError(errno.ENOSPC, "No space left on device", path))
+  writer, tier = make_writer(engine)
+  directory, tmp_dir, final = begun(writer, tmp_path, 4)
+  part = lambda shards, last: writer.stage(
+      Stage(directory, 4, tmp_dir, final, SPECS, shards, last=last), owner="a", worker="w",
+      alive=lambda: True)
+  part([shard(0, ((0, 2), (0, 2)), 1.0)], False)
+  own = tier.find(final)
+  assert own.wait_written(30) and own.phase is step_lib.Phase.FAILED
+  for _ in range(2):
+    with pytest.raises(errors.CheckpointWriteError, match=r"^host 0 could not write step 4: "
+                       r"No space left on device \(ENOSPC\)"):
+      part([shard(0, ((2, 4), (0, 2)), 2.0), shard(1, ((0, 3),), 7)], True)
+  assert tier.find(final) is own  # nothing new begun in its place
+  writer.abort(os.path.dirname(tmp_dir), final)
+  assert tier.find(final) is None and own.phase is step_lib.Phase.DROPPED
+
+
 def test_abort_stops_a_writer_waiting_for_parts_and_lets_the_blocks_go(make_writer, tmp_path):
   engine = Recording()
   writer, tier = make_writer(engine)
@@ -157,7 +182,7 @@ def test_another_session_neither_stages_into_nor_commits_a_save(make_writer, tmp
   with pytest.raises(errors.PermissionDeniedError, match="being saved by another session"):
     writer.stage(Stage(directory, 6, tmp_dir, final, SPECS, [], last=True), owner="b")
   with pytest.raises(errors.PermissionDeniedError, match="being saved by another session"):
-    writer.begin(directory, 6, owner="b")
+    writer.begin(Begin(directory, 6, "orbax"), owner="b")
   writer.stage(Stage(directory, 6, tmp_dir, final, SPECS, [shard(0, ((0, 4), (0, 2)), 2.0)],
                      last=True), owner="a")
   sums = writer.prepared(final, timeout=30)
@@ -210,7 +235,7 @@ def test_a_format_part_the_steps_format_does_not_take_is_refused(make_writer, tm
     writer.stage(Stage(directory, 8, tmp_dir, final, SPECS, [], extra=DcpPart(0, 0)), owner="a")
   with pytest.raises(errors.InvalidArgumentError, match=r"format must be one of the registered "
                      rf"formats {NAMES}, got 'safetensors'"):
-    writer.begin(directory, 9, format="safetensors", owner="a")
+    writer.begin(Begin(directory, 9, "safetensors"), owner="a")
 
 
 def test_another_sessions_begin_is_refused_from_the_firsts_begin_while_its_trainer_is_there(
@@ -221,18 +246,19 @@ def test_another_sessions_begin_is_refused_from_the_firsts_begin_while_its_train
   there = [True]
   directory = str(tmp_path / "ck")
   writer.open(directory)
-  tmp = writer.begin(directory, 2, owner="a", alive=lambda: there[0])
+  tmp = writer.begin(Begin(directory, 2, "orbax"), owner="a", alive=lambda: there[0])
   with pytest.raises(errors.PermissionDeniedError,
                      match=r"begin: step 2 of '.*ck' is being saved by another session \(another "
                            r"trainer process or Controller\) on host 0: another save of step 2 "
                            r"into this directory is in flight"):
-    writer.begin(directory, 2, owner="b", alive=lambda: True)
+    writer.begin(Begin(directory, 2, "orbax"), owner="b", alive=lambda: True)
   assert writer.open(directory) == [] and os.path.isdir(tmp)  # no sweep of it either
-  assert writer.begin(directory, 2, owner="a", alive=lambda: there[0]) == tmp  # a retry
+  assert writer.begin(Begin(directory, 2, "orbax"), owner="a",
+                      alive=lambda: there[0]) == tmp  # a retry
   there[0] = False  # its worker's connection closed: its process died
-  assert writer.begin(directory, 2, owner="b", alive=lambda: True) == tmp
+  assert writer.begin(Begin(directory, 2, "orbax"), owner="b", alive=lambda: True) == tmp
   writer.abort(tmp, str(tmp_path / "ck" / "2" / spec_lib.ITEM))  # ends b's save
-  assert writer.begin(directory, 2, owner="c") == tmp
+  assert writer.begin(Begin(directory, 2, "orbax"), owner="c") == tmp
 
 
 def test_a_begun_save_is_in_flight_until_committed_and_one_that_never_stages_goes(
@@ -248,10 +274,10 @@ def test_a_begun_save_is_in_flight_until_committed_and_one_that_never_stages_goe
                      match=r"begin: step 3 of '.*ck' is being saved by another checkpointer, or "
                            r"was: step 3 is already committed at .*ck/3; a save never replaces "
                            r"a committed step"):
-    writer.begin(directory, 3, owner="b")
+    writer.begin(Begin(directory, 3, "orbax"), owner="b")
   monkeypatch.setattr(write_lib, "STAGE_TIMEOUT_S", 0.0)  # no Stage came in time
-  writer.begin(directory, 4, owner="a", alive=lambda: True)
-  writer.begin(directory, 4, owner="b", alive=lambda: True)
+  writer.begin(Begin(directory, 4, "orbax"), owner="a", alive=lambda: True)
+  writer.begin(Begin(directory, 4, "orbax"), owner="b", alive=lambda: True)
 
 
 def test_a_begin_that_loses_the_race_to_another_sidecars_begin_says_so(make_writer, tmp_path,
@@ -269,16 +295,16 @@ def test_a_begin_that_loses_the_race_to_another_sidecars_begin_says_so(make_writ
     real(path, *args, **kwargs)
     if pending and pathlib.Path(path) == pending[0]:
       pending.clear()
-      theirs.begin(directory, 5, owner="b")
+      theirs.begin(Begin(directory, 5, "orbax"), owner="b")
   monkeypatch.setattr(shutil, "rmtree", rmtree)
   with pytest.raises(errors.PermissionDeniedError,
                      match=r"begin: step 5 of '.*ck' is being saved by another checkpointer, or "
                            rf"was: File exists \({re.escape(str(tmp))}\); a save never replaces "
                            r"a committed step: save each step of a directory from one "
                            r"checkpointer \(one job per directory\)"):
-    ours.begin(directory, 5, owner="a")
+    ours.begin(Begin(directory, 5, "orbax"), owner="a")
   assert not pending and tmp.is_dir()  # the race happened; their save's directory stands
-  assert ours.begin(directory, 6, owner="a")  # and ours serves on
+  assert ours.begin(Begin(directory, 6, "orbax"), owner="a")  # and ours serves on
 
 
 class HeldFinish(Recording):
@@ -311,7 +337,7 @@ def begun_by_stage(writer, tmp_path, step):
   directory = str(tmp_path / "ck")
   writer.open(directory)
   tmp_dir, final = OrbaxFormat().staged_dirs(OrbaxFormat().tmp_of(directory, step))
-  tmp_step, finish = writer.begin_staged(directory, step, tmp_dir, owner="a")
+  tmp_step, finish = writer.begin_staged(Begin(directory, step, "orbax"), tmp_dir, owner="a")
   assert tmp_step == os.path.dirname(tmp_dir)
   return directory, tmp_dir, final, finish
 
@@ -338,7 +364,7 @@ def test_a_stage_that_begins_its_step_answers_before_its_metadata_is_written(mak
   assert engine.finishing.wait(30)  # its writer finishes it: held, and the Stage answered
   assert os.listdir(leftover) == [] and engine.seen == []
   with pytest.raises(errors.PermissionDeniedError, match="being saved by another session"):
-    writer.begin(directory, 3, owner="b", alive=lambda: True)  # begun: in flight
+    writer.begin(Begin(directory, 3, "orbax"), owner="b", alive=lambda: True)  # begun: in flight
   engine.release.set()
   sums = writer.prepared(final, timeout=30)
   assert engine.finished_on == ["sidecar-ckpt-3"]
@@ -396,7 +422,7 @@ def test_a_step_whose_directory_could_not_be_finished_fails_as_a_failed_write(ma
   writer.abort(os.path.dirname(tmp_dir), final)
   assert os.listdir(directory) == [] and tier.find(final) is None
   engine.fail_finishing = None
-  assert writer.begin(directory, 4, owner="b")  # not in flight any more
+  assert writer.begin(Begin(directory, 4, "orbax"), owner="b")  # not in flight any more
 
 
 class Pruned(OrbaxFormat):

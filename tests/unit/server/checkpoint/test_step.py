@@ -5,6 +5,7 @@ Steps made of plain arrays, driven as the sidecar's stage, writer, agreement, re
 and RAM tier drive them; no writer thread, no server.
 """
 
+import sys
 import threading
 
 import numpy as np
@@ -14,6 +15,7 @@ from sidecar._src.ckptfmt.records import ReplicaTarget, Replicated, ShardId
 from sidecar._src.core import errors
 from sidecar._src.server.checkpoint import ram_tier, step as step_lib
 from sidecar._src.server.checkpoint.step import Phase, StateError, Takeover
+from tests.conftest import eventually
 from tests.support.ram_steps import AsStaged, make_step, shards_of
 
 pytestmark = pytest.mark.unit
@@ -198,3 +200,49 @@ def test_a_write_ends_once_even_racing_a_drop():
     own.drop()
     t.join()
     assert own.phase is Phase.DROPPED and own.wait_written(0) and own.error is None
+
+
+def test_a_replicate_waiting_for_a_step_whose_save_is_aborted_is_told_it_is_gone():
+  """Issue 69 review: a Replicate of a step one of whose two writers sent its last part
+  waits for the other's (``wait_whole``); the save is aborted meanwhile: the Replicate got
+  StateError (an internal error: 'dropped: only a whole step is replicated'), where a
+  moment later it got InvalidArgumentError ('has not staged'). Now InvalidArgumentError
+  either way, saying why."""
+  from sidecar._src.server import metrics as metrics_lib
+  from sidecar._src.server.checkpoint import links as links_lib, replication
+
+  tier = ram_tier.RamTier(0, uncommitted_s=3600.0)
+  own = fresh(writers=2)
+  tier.add(own)
+  assert not own.take("a", None, shards_of(shard(0)), last=True, writers=2)
+  replicator = replication.Replicator(
+      0, tier=tier, links=None, path=lambda p, what: p, spawn=None,
+      metrics=metrics_lib.Recorder(), hosts=links_lib.ReplicaHosts(["127.0.0.1:1", "127.0.0.1:2"]))
+  raised: list[BaseException] = []
+
+  def replicate():
+    try:
+      replicator.replicate(FINAL, [1], timeout=30)
+    except BaseException as e:  # noqa: BLE001 - what the rpc would answer
+      raised.append(e)
+
+  t = threading.Thread(target=replicate)
+  t.start()
+  assert eventually(lambda: "wait_whole" in _functions_of(t))  # the other writer's part
+  tier.remove_item(FINAL)  # the save aborted
+  t.join(30)
+  [e] = raised
+  assert type(e) is errors.InvalidArgumentError, repr(e)
+  assert str(e) == (f"host 0 holds step 1 at {FINAL!r} no more: its save was aborted (or "
+                    "its RAM tier let it go) before its replication began; nothing to "
+                    "replicate")
+
+
+def _functions_of(t: threading.Thread) -> list[str]:
+  """The functions thread ``t`` is in now, innermost first."""
+  frame = sys._current_frames().get(t.ident)
+  names = []
+  while frame is not None:
+    names.append(frame.f_code.co_name)
+    frame = frame.f_back
+  return names

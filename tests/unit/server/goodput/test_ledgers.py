@@ -300,3 +300,49 @@ def test_each_tenant_s_bound_is_its_own_and_a_reload_s_holds_at_once(tmp_path):
     ledgers.receive("alice-0", {"events": saves}, tenant="alice")
   ledgers.ended("alice-0")
   ledgers.ended("bob-0")
+
+
+def test_a_stall_reported_of_another_trainer_of_its_start_is_its_death_s(ledgers, tmp_path):
+  """Issue 69: rank k stalled and was killed (sidecar launch's Stalled report); process 0,
+  not stalled itself, dies next: its death is the stall's, from rank k's last step."""
+  ledgers.receive("w-1", {"directory": str(tmp_path),
+                         "events": [event("start", start=1.0, pid=7)]}, tenant=None)
+  assert not ledgers.stalled("w-2", 80.0, 90.0)  # no ledger bound to it here
+  assert ledgers.stalled("w-1", 80.0, 90.0)
+  ledgers.ended("w-1", 85.0)  # process 0 itself last heard from before the report
+  died = goodput_core.read(str(tmp_path))[-1]
+  assert (died.kind, died.seen, died.stalled) == ("died", 90.0, 80.0)
+  [figures] = ledgers.figures()
+  assert figures.ledger.badput_s["stall"] == 10.0
+
+
+@pytest.mark.parametrize("then", [
+    event("save", step=4, t=91.0),
+    {**event("mark", t=91.0), "batches": 3},
+], ids=["a-save", "more-batches"])
+def test_a_life_that_steps_after_a_stall_report_did_not_die_of_it(ledgers, tmp_path, then):
+  ledgers.receive("w-1", {"directory": str(tmp_path),
+                         "events": [event("start", start=1.0, pid=7)]}, tenant=None)
+  assert ledgers.stalled("w-1", 80.0, 90.0)
+  ledgers.receive("w-1", {"events": [then]}, tenant=None)
+  ledgers.ended("w-1", 95.0)
+  died = goodput_core.read(str(tmp_path))[-1]
+  assert (died.kind, died.seen, died.stalled) == ("died", 95.0, None)
+
+
+def test_its_own_stall_and_a_reported_one_the_earlier_last_step_counts(ledgers, tmp_path):
+  ledgers.receive("w-1", {"directory": str(tmp_path),
+                         "events": [event("start", start=1.0, pid=7)]}, tenant=None)
+  assert ledgers.stalled("w-1", 80.0, 90.0)
+  ledgers.ended("w-1", 92.0, stalled=82.0)
+  died = goodput_core.read(str(tmp_path))[-1]
+  assert (died.seen, died.stalled) == (92.0, 80.0)
+
+
+def test_a_finished_life_is_not_marked_by_a_stall_report(ledgers, tmp_path):
+  ledgers.receive("w-1", {"directory": str(tmp_path),
+                         "events": [event("start", start=1.0, pid=7), event("finish")]},
+                 tenant=None)
+  assert not ledgers.stalled("w-1", 80.0, 90.0)
+  ledgers.ended("w-1")
+  assert [e.kind for e in goodput_core.read(str(tmp_path))] == ["start", "finish"]

@@ -207,3 +207,18 @@ def test_a_phase_crosses_as_its_frame():
   begins = stall.Phase("eval", 90.0)
   assert stall.Phase.from_dict(begins.to_dict()) == begins
   assert stall.Phase.from_dict(stall.Phase("eval").to_dict()).ends
+
+
+def test_the_sessions_of_a_start_are_listed_by_tenant_live_ones_only(clock):
+  """What a Stalled report marks (server/workers/workers.py): the live sessions of that
+  start, of the caller's tenant."""
+  s = make(clock)
+  s.attach("w-1", pid=7, rank=0, restart=1, tenant="alice")
+  s.attach("w-2", pid=8, rank=1, restart=1, tenant="bob")
+  s.attach("w-3", pid=9, rank=0, restart=0, tenant="alice")
+  s.attach("w-4", pid=10, rank=1, restart=1, tenant="alice")
+  s.end("w-4")
+  attached = 1000.0 + 1.7e9
+  assert s.of_start(1) == [("w-1", attached), ("w-2", attached)]
+  assert s.of_start(1, "alice", every=False) == [("w-1", attached)]
+  assert s.of_start(2) == []
