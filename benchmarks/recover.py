@@ -1,8 +1,8 @@
 """A step that raises: recovered in-process (``sidecar.jax.Recovery``) against a restart.
 
-  python -m benchmarks.recover [--config tiny|chip] [--rounds 2] [--fail-at 27]
+  python -m benchmarks.recover [--config tiny|cpu|chip] [--rounds 2] [--fail-at 27]
                                [--save-every 10] [--steps 40] [--data DIR]
-                               [--ways in-process,restart,standby]
+                               [--ways in-process,restart,standby] [--device-copies]
 
 From the repository root; not run by CI. examples/lm/train.py trains under ``sidecar
 launch --hosts 1`` and raises in step ``--fail-at`` (its ``--fail-at`` hook: after the
@@ -21,7 +21,8 @@ ready), and to the failed step computed again (the steps re-done from the restor
 one included). For in-process, the Rollback's own figures beside them: its whole
 ``recover()``; the wait for a save in flight to be staged (its copy off the devices) where
 the sidecars took it over and it is restored from their RAM tier; the restore; the wait
-for a save in flight to be durable where they had not. Prints a table and one JSON line.
+for a save in flight to be durable where they had not; the tier restored from ("device": the
+save's copies on the devices, not staged yet). Prints a table and one JSON line.
 """
 
 from __future__ import annotations
@@ -44,20 +45,29 @@ LAUNCH = {"in-process": [], "restart": ["--max-restarts", "1"],
           "standby": ["--max-restarts", "1", "--standby", "--preload", "optax",
                       "--preload", "sidecar.jax"]}
 FAULT = re.compile(r"fault: raising in step (\d+) \(--fail-at\) at unix ([\d.]+)")
+# The trainer with ``--device-copies``: examples/lm/train.py, its controller's JAX adapter
+# copying each save on the devices first, as on an accelerator.
+DEVICE_COPIES = (
+    "import runpy, sys, sidecar.jax; from sidecar._src.jax.framework import JaxFramework; "
+    "sidecar.jax.Controller._default_framework = staticmethod("
+    "lambda: JaxFramework(device_copies=True)); "
+    "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+TIER = re.compile(r"rolled back in-process to step \d+ \((\w+) tier")
 ROLLBACK = re.compile(r"(taken over and not durable yet, ([\d.]+) s waiting for its copy, )?"
                       r"restored in ([\d.]+) s(?:, ([\d.]+) s waiting for the save in flight)?"
                       r"\) in ([\d.]+) s")
 
 
 def run(way: str, *, config: str, data: str, work: str, fail_at: int, save_every: int,
-        steps: int, shm: str) -> dict:
+        steps: int, shm: str, device_copies: bool = False) -> dict:
   """One launch of ``way``: the exception's time, the first step after it, the failed
   step again; for in-process, the Rollback's figures."""
   out_dir = tempfile.mkdtemp(prefix=f"{way}-", dir=work)
   metrics = os.path.join(out_dir, "metrics.jsonl")
   command = [sys.executable, "-m", "sidecar", "launch", "--hosts", "1", "--import",
              "pipelines.lm", "--shm-size", shm, "--checkpoint-root", work, *LAUNCH[way], "--",
-             sys.executable, "examples/lm/train.py", "--config", config, "--data", data,
+             sys.executable, *(["-c", DEVICE_COPIES] if device_copies else []),
+             "examples/lm/train.py", "--config", config, "--data", data,
              "--ckpt", os.path.join(out_dir, "ckpt"), "--steps", str(steps),
              "--save-every", str(save_every), "--metrics", metrics, "--progress-every", "0",
              "--fail-at", str(fail_at), *WAYS[way]]
@@ -82,6 +92,8 @@ def run(way: str, *, config: str, data: str, work: str, fail_at: int, save_every
     result.update(restore_s=float(rolled.group(3)), waited_s=float(rolled.group(4) or 0),
                   recover_s=float(rolled.group(5)), taken_over=rolled.group(1) is not None,
                   staged_s=float(rolled.group(2) or 0))
+  if (tier := TIER.search(log)) is not None:
+    result["tier"] = tier.group(1)
   return result
 
 
@@ -95,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--shm-size", default=None,
                  help="the sidecar's arena (default: 256MiB for tiny, 12GiB for chip)")
   p.add_argument("--data", help="a corpus of examples/lm/prepare.py (default: 1 MB made here)")
+  p.add_argument("--device-copies", action="store_true",
+                 help="the trainer saves as on an accelerator: copies on the devices, landed "
+                      "after save() returned (on CPU, a save in flight at the failure)")
   p.add_argument("--ways", default=",".join(WAYS),
                  help="which ways to run, comma-separated (default: all; the ratio column "
                       "needs restart)")
@@ -115,9 +130,9 @@ def main(argv: list[str] | None = None) -> int:
       for way in ways:
         results[way].append(run(way, config=args.config, data=data, work=work,
                                 fail_at=args.fail_at, save_every=args.save_every,
-                                steps=args.steps,
-                                shm=args.shm_size or ("256MiB" if args.config == "tiny"
-                                                      else "12GiB")))
+                                steps=args.steps, device_copies=args.device_copies,
+                                shm=args.shm_size or {"tiny": "256MiB", "cpu": "1GiB"}.get(
+                                    args.config, "12GiB")))
   mean = lambda way, key: statistics.fmean(r[key] for r in results[way]) if all(
       key in r for r in results[way]) else None
   base = mean("restart", "next_step_s") if "restart" in ways else None
@@ -126,11 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     nxt, again = mean(way, "next_step_s"), mean(way, "failed_step_again_s")
     rows.append([way, f"{nxt:.3f}", f"{again:.3f}", f"{base / nxt:.1f}x" if base and nxt else "-",
                  *(f"{v:.3f}" if (v := mean(way, k)) is not None else "-"
-                   for k in ("recover_s", "staged_s", "restore_s", "waited_s"))])
+                   for k in ("recover_s", "staged_s", "restore_s", "waited_s")),
+                 ",".join(sorted({r.get("tier", "-") for r in results[way]}))])
   print(f"{args.config} config, step {args.fail_at} raises, saves every {args.save_every}; "
         f"means of {args.rounds} rounds, seconds from the exception")
   print(table(["way", "next step", "failed step again", "vs restart", "recover()",
-               "copy wait", "restore", "save wait"], rows))
+               "copy wait", "restore", "save wait", "tier"], rows))
   print(json.dumps({"config": args.config, "fail_at": args.fail_at,
                     "save_every": args.save_every, "rounds": results}))
   return 0

@@ -67,6 +67,10 @@ CONFIGS = {
     # A few seconds per 100 steps on 2 CPU cores: tests and laptops.
     "tiny": Config(seq_len=64, batch_size=8, d_model=64, n_layers=2, n_heads=4,
                    learning_rate=3e-3, warmup_steps=20),
+    # ~12.7M parameters, params + Adam moments ~150 MB in float32, about a second a step on
+    # 2 CPU cores: the save and recovery paths at a size that takes time on CPU.
+    "cpu": Config(seq_len=64, batch_size=8, d_model=512, n_layers=4, n_heads=8,
+                  learning_rate=3e-4, warmup_steps=20),
     # One TPU v5e (15.7 GiB HBM): ~101M parameters, params + Adam moments ~1.2 GB in float32;
     # bf16 matmuls; remat keeps 8 layers' attention activations out of memory.
     "chip": Config(seq_len=512, batch_size=32, d_model=1024, n_layers=8, n_heads=16,

@@ -18,7 +18,7 @@ from typing import Any, TextIO
 def parser(description: str, *, ckpt_help: str) -> argparse.ArgumentParser:
   """The flags both trainers take; a trainer adds its own, then calls :func:`parse`."""
   p = argparse.ArgumentParser(description=description)
-  p.add_argument("--config", default="tiny", help="model.CONFIGS key: tiny or chip")
+  p.add_argument("--config", default="tiny", help="model.CONFIGS key: tiny, cpu or chip")
   p.add_argument("--data", required=True, help="a corpus written by prepare.py")
   p.add_argument("--ckpt", required=True, help=ckpt_help)
   p.add_argument("--steps", type=int, required=True, help="train until this step")

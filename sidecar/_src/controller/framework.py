@@ -86,6 +86,10 @@ class DeviceCopy(abc.ABC):
     as it lands, making no whole host copy; by default, :meth:`result` copied once."""
     shm.copy(out, self.result())
 
+  def release(self) -> None:  # noqa: B027 (a hook)
+    """The save is staged: an adapter that keeps its copy on the device for an
+    in-process rollback (:meth:`Framework.restore_on_device`) lets it go."""
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class LocalShard:
@@ -207,6 +211,17 @@ class Framework(abc.ABC):
   def restore_target(self, target: Any) -> RestoreTarget:
     """The leaves of restore ``target`` (the framework's abstract or concrete arrays),
     the blocks this process fills, and how they become the restored tree."""
+
+  def restore_on_device(self, target: Any, copies: Sequence[tuple[ShardRecord, DeviceCopy]]
+                        ) -> Any | None:
+    """``target`` restored from the copies a save not staged yet still holds on the
+    devices (``copies``: this process's shards of it, as :meth:`save_leaves` made them),
+    in arrays of the trainer's own (never the buffers the save goes on reading); None
+    where they do not make the whole of it. An in-process rollback's way not to wait for
+    the save's copy (``controller/checkpoint/rollback.py``). By default None: an
+    adapter without device copies keeps none."""
+    del target, copies
+    return None
 
 
 class NumpyArrays(Framework):

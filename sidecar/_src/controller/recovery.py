@@ -1,6 +1,6 @@
-"""In-process recovery: a step that raised rolls back to the newest step the sidecars hold
-(taken over, durable or not), in the same process, from their RAM tier; a step that fails
-again is left to a restart.
+"""In-process recovery: a step that raised rolls back to the newest step saved (durable or
+not), in the same process, from the save's copies still on the devices or the sidecars'
+RAM tier; a step that fails again is left to a restart.
 
 An exception in a training step (a transient runtime error, a NaN guard, a data error)
 need not cost a new process (its teardown, the runtime's init, the compile: 13-16 s on
@@ -75,11 +75,12 @@ class Rollback:
 
   ``seconds`` runs from :meth:`Recovery.recover`'s call to its return: ``staged_s`` for
   the save in flight to be staged (its copy off the devices into the arenas, and its
-  Stages: a step taken over is restored from those bytes), or ``waited_s`` for it to be
-  durable (only where the sidecars had not taken it over), then the feed's seek and the
-  restore (``restore_s``, from ``tier``: ``RestoreStats.tier``). ``durable``: whether
-  ``step`` was durable when restored (False: the sidecars took it over and were still
-  writing it).
+  Stages: a step taken over is restored from those bytes; 0 where it was restored from
+  the save's copies on the devices, tier ``"device"``, before it was staged), or
+  ``waited_s`` for it to be durable (only where the sidecars had not taken it over),
+  then the feed's seek and the restore (``restore_s``, from ``tier``:
+  ``RestoreStats.tier``). ``durable``: whether ``step`` was durable when restored
+  (False: its save was still under way).
   """
   failed_step: int
   error: str  # the exception's type and the first line of its message
@@ -94,7 +95,8 @@ class Rollback:
   def summary(self) -> str:
     waited = f", {self.waited_s:.3f} s waiting for the save in flight" if self.waited_s else ""
     taken = "" if self.durable else (
-        f", taken over and not durable yet, {self.staged_s:.3f} s waiting for its copy")
+        ", not staged yet, from the save's copies on the devices" if self.tier == "device"
+        else f", taken over and not durable yet, {self.staged_s:.3f} s waiting for its copy")
     return (f"step {self.failed_step} raised {self.error}; rolled back in-process to step "
             f"{self.step} ({self.tier} tier{taken}, restored in {self.restore_s:.3f} s"
             f"{waited}) in {self.seconds:.3f} s")
@@ -104,10 +106,13 @@ class Recovery:
   """Rolls a training loop back to the newest step the sidecars hold when a step raises.
 
   ``recover(error, step=n)``: called where step ``n`` raised ``error``. Where a save is
-  in flight and the sidecars took it over (every process's part staged: they commit it
-  whatever happens to the trainers), restores it from their RAM tier at once, its
-  write going on (if that write fails, the next ``save``, ``wait`` or ``close`` raises
-  it, as any failed save's), and moves ``feed`` to its data position. Otherwise (its
+  in flight and not staged yet (its copy off the devices under way), restores it from
+  the copies it still holds on the devices, without waiting for them to land (the
+  arrays made are the trainer's own: a step that donates them leaves the save's copy
+  whole); where the sidecars took it over (every process's part staged: they commit it
+  whatever happens to the trainers), from their RAM tier at once. Either way its copy
+  and write go on (if they fail, the next ``save``, ``wait`` or ``close`` raises it, as
+  any failed save's), and ``feed`` moves to its data position. Otherwise (its
   trainers commit it: DCP's), waits for it to be durable (a save that fails is logged,
   and the step before it restored), moves ``feed`` to the data position saved with the
   latest committed step and restores that step onto ``target`` (from the sidecars' RAM
@@ -159,13 +164,11 @@ class Recovery:
           f"process (retries_per_step={self.retries_per_step}): not recovered in-process; "
           "the process ends for its launcher to restart it (sidecar launch --max-restarts)")
       raise error
-    staged = self._staged()
     rolled = restore_taken_over(self._checkpointer, self._target)
-    if rolled is not None:  # the save in flight, as the sidecars hold it: no wait for its write
-      taken, state, data_state = rolled
-      self._feed.seek(data_state)
-      return self._done(error, step, taken, state, waited=0.0, durable=False, t0=t0,
-                        staged=staged)
+    if rolled is not None:  # the save in flight, where its bytes are: no wait for its write
+      self._feed.seek(rolled.data_state)
+      return self._done(error, step, rolled.step, rolled.tree, waited=0.0, durable=False,
+                        t0=t0, staged=rolled.staged_s)
     waited = self._settle()
     latest = self._checkpointer.latest_step()
     if latest is None:
@@ -201,18 +204,6 @@ class Recovery:
     log.warning("%s\n%s", rollback.summary(),
                 "".join(traceback.format_exception(error)).rstrip())
     return latest, state
-
-  def _staged(self) -> float:
-    """Waits for the checkpointer's save in flight to be staged (copied into the arenas,
-    its Stages answered), as ``restore_taken_over`` does; the seconds. On an
-    accelerator, the copy of the state off the devices, which a save's return does not
-    wait for, is most of it."""
-    handle = self._checkpointer.save_in_flight()
-    if handle is None:
-      return 0.0
-    t0 = time.perf_counter()
-    interrupts.wait_done(handle.staged)
-    return time.perf_counter() - t0
 
   def _settle(self) -> float:
     """Waits for the checkpointer's save in flight to be durable or to fail; the seconds."""

@@ -249,8 +249,9 @@ SLURM_JOB = _var("SIDECAR_SLURM_JOB", "in a cluster.env: the service's Slurm job
 CKPT_FAULT = _var(
     "SIDECAR_CKPT_FAULT", "tests only: POINT@STEP makes the sidecar SIGKILL itself there "
     "(stage, write, prepared, commit, read, replicate; swap: between a DCP overwrite's two "
-    "renames), slow@STEP pauses 2 s (slow@STEP:PATH until PATH exists, at most 120 s), "
-    "enospc@STEP fails the write with ENOSPC",
+    "renames), slow@STEP pauses 2 s before the write (slow@STEP:PATH until PATH exists, at "
+    "most 120 s), slowstage@STEP the same before a Stage, enospc@STEP fails the write with "
+    "ENOSPC",
     default="no fault", readers="the checkpoint host (server/checkpoint/faults.py)")
 REPLICA_SHM = _var(
     "SIDECAR_REPLICA_SHM", "0: replicas go inline over gRPC even to a peer on this machine",

@@ -16,6 +16,7 @@ import functools
 import json
 import logging
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -100,13 +101,41 @@ PIECES_IN_FLIGHT = 4
 
 
 class _Pieces:
-  """A save's on-device pieces, in order, and how many of their transfers have started."""
+  """A save's on-device pieces, in order, and how many of their transfers have started.
 
-  __slots__ = ("arrays", "started")
+  The pieces stay on the device until :meth:`release` (the save is staged: its runner
+  releases them), not only until each lands: till then an in-process rollback restores
+  the step from them (:meth:`joined`) instead of waiting for the copy. That holds no
+  more device memory than a save's start does (every piece is made at once), only
+  longer: until the last piece landed and the sidecars answered.
+  """
 
-  def __init__(self, arrays: list[jax.Array]):
+  __slots__ = ("arrays", "started", "_join", "_kept", "_lock")
+
+  def __init__(self, arrays: list[jax.Array], join: Any = None):
     self.arrays: list[jax.Array | None] = list(arrays)
     self.started = 0
+    # Makes each shard of the pieces again, in new buffers (None: none compiled, the
+    # pieces then serve no rollback).
+    self._join = join
+    self._kept: list[jax.Array] | None = list(arrays)
+    self._lock = threading.Lock()
+
+  def release(self) -> None:
+    """The save no longer needs its pieces for a rollback: each goes once it landed."""
+    with self._lock:
+      self._kept = None
+
+  def joined(self) -> list[jax.Array] | None:
+    """Each shard of these pieces made again on the device (device to device, not
+    waited for), in new buffers of the caller's own: the save goes on reading its
+    pieces, and a step that donates what is returned never touches them. None once
+    released, or where no join compiled."""
+    with self._lock:
+      kept = self._kept
+    if kept is None or self._join is None:
+      return None
+    return list(self._join(kept))
 
   def start_through(self, last: int) -> None:
     """Starts every transfer up to piece ``last`` (included) not started yet."""
@@ -118,7 +147,8 @@ class _Pieces:
       self.started += 1
 
   def take(self, i: int) -> np.ndarray:
-    """Piece ``i`` in host memory (waits for it); the device's piece goes."""
+    """Piece ``i`` in host memory (waits for it); the device's piece goes (once
+    released: :meth:`release`)."""
     self.start_through(i + PIECES_IN_FLIGHT - 1)
     a, self.arrays[i] = self.arrays[i], None
     if a is None:
@@ -133,12 +163,16 @@ class DeviceToHost(DeviceCopy):
   transfers go in order, a few in flight (:data:`PIECES_IN_FLIGHT`), and each lands in
   its rows of the shard's arena block (:meth:`copy_into`): no whole host copy is made."""
 
-  __slots__ = ("_pieces", "_first", "_rows")
+  __slots__ = ("_pieces", "_first", "_rows", "_shard")
 
   def __init__(self, shape: tuple[int, ...], dtype: np.dtype, pieces: _Pieces, first: int,
-               rows: tuple[tuple[int, int], ...]):
+               rows: tuple[tuple[int, int], ...], shard: int = 0):
     self.shape, self.dtype = tuple(shape), np.dtype(dtype)
     self._pieces, self._first, self._rows = pieces, first, rows
+    self._shard = shard  # its place among the shards of ``pieces`` (``_Pieces.joined``)
+
+  def release(self) -> None:
+    self._pieces.release()
 
   def copy_into(self, out: np.ndarray) -> None:
     rows = out.reshape(1) if not self.shape else out  # a scalar: one row
@@ -179,8 +213,29 @@ def _split_pieces(arrays, rows):
 
 _split = jax.jit(_split_pieces, static_argnums=1)
 
-# The compiled splits, by what they split: (device, each shard's shape and dtype, its
-# rows); None where a compilation failed (those shards go whole).
+
+def _join_pieces(pieces, counts):
+  """Each shard of ``pieces`` (``counts[i]`` pieces for shard ``i``, in order) joined
+  again, new buffers of its own (one piece is copied, never forwarded)."""
+  out, first = [], 0
+  for n in counts:
+    mine = pieces[first:first + n]
+    out.append(jnp.copy(mine[0]) if n == 1 else jnp.concatenate(mine, axis=0))
+    first += n
+  return out
+
+
+_join = jax.jit(_join_pieces, static_argnums=1)
+
+
+def _copies(pieces: list[jax.Array]) -> list[jax.Array]:
+  """Each whole piece (a shard) copied on its device by the runtime: no program."""
+  return [jax.device_put(p, p.sharding, may_alias=False) for p in pieces]
+
+
+# The compiled splits and their joins (``_join``: the pieces made shards again, for a
+# rollback), by what they split: (device, each shard's shape and dtype, its rows); None
+# where the split's compilation failed (those shards go whole), a join None where its did.
 _SPLITS: dict[tuple, Any] = {}
 _COMPILING: set[tuple] = set()
 _SPLITS_CHANGED = threading.Condition()
@@ -188,10 +243,10 @@ _MOST_SPLITS = 64  # states of that many layouts at once; beyond, the oldest are
 
 
 def _compiled_split(arrays: list[jax.Array], rows: tuple) -> Any:
-  """The compiled split of ``arrays`` (one device's shards) by ``rows``, or None until a
-  thread (started by the first call) has compiled it: a process's first save of a state
-  does not wait for the compilation (0.33-0.40 s on a TPU v5e, longer than Orbax's whole
-  first ``save()``); its shards go whole meanwhile."""
+  """The compiled split of ``arrays`` (one device's shards) by ``rows`` and its join, or
+  None until a thread (started by the first call) has compiled them: a process's first
+  save of a state does not wait for the compilation (0.33-0.40 s on a TPU v5e, longer
+  than Orbax's whole first ``save()``); its shards go whole meanwhile."""
   key = (arrays[0].device, tuple((a.shape, a.dtype) for a in arrays), rows)
   with _SPLITS_CHANGED:
     if key in _SPLITS:
@@ -208,12 +263,22 @@ def _compiled_split(arrays: list[jax.Array], rows: tuple) -> Any:
 
 
 def _compile_split(key: tuple, avals: list[jax.ShapeDtypeStruct], rows: tuple) -> None:
+  compiled: tuple | None = None
   try:
-    compiled = _split.lower(avals, rows).compile()
+    compiled = (_split.lower(avals, rows).compile(), None)
   except Exception:  # the shards of this layout go whole, as on a first save
     log.warning("save: the split of %d shards on %s into pieces did not compile; they go to "
                 "the host whole", len(avals), key[0], exc_info=True)
-    compiled = None
+  if compiled is not None:
+    pieces = [jax.ShapeDtypeStruct(
+        (e - s, *a.shape[1:]) if len(bounds) > 1 else a.shape, a.dtype, sharding=a.sharding)
+        for a, bounds in zip(avals, rows) for s, e in bounds]
+    try:
+      compiled = (compiled[0], _join.lower(pieces, tuple(len(b) for b in rows)).compile())
+    except Exception:  # saves go in pieces all the same; a rollback waits for the copy
+      log.warning("save: the join of %d shards' pieces on %s did not compile; an in-process "
+                  "rollback waits for a save's copy to land", len(avals), key[0],
+                  exc_info=True)
   with _SPLITS_CHANGED:
     _COMPILING.discard(key)
     while len(_SPLITS) >= _MOST_SPLITS:
@@ -294,16 +359,19 @@ def _off_device(on_device: list[tuple[list, int, jax.Array]], *,
     mine = [x for x in on_device if x[2].device == device]
     arrays = [x[2] for x in mine]
     rows = tuple(_piece_rows(tuple(a.shape), a.dtype.itemsize, piece_bytes) for a in arrays)
-    split = _compiled_split(arrays, rows)
-    if split is not None:
-      pieces = _Pieces([p for per_shard in split(arrays) for p in per_shard])
+    compiled = _compiled_split(arrays, rows)
+    if compiled is not None:
+      split, join = compiled
+      pieces = _Pieces([p for per_shard in split(arrays) for p in per_shard], join)
     else:  # whole copies by the runtime, no program to compile: one piece each
       rows = tuple(_piece_rows(tuple(a.shape), a.dtype.itemsize, _WHOLE) for a in arrays)
-      pieces = _Pieces(jax.device_put(arrays, [a.sharding for a in arrays], may_alias=False))
+      pieces = _Pieces(jax.device_put(arrays, [a.sharding for a in arrays], may_alias=False),
+                       _copies)
     pieces.start_through(PIECES_IN_FLIGHT - 1)
     first = 0
-    for (shards, i, data), bounds in zip(mine, rows):
-      out.append((shards, i, DeviceToHost(data.shape, data.dtype, pieces, first, bounds)))
+    for shard, ((shards, i, data), bounds) in enumerate(zip(mine, rows)):
+      out.append((shards, i, DeviceToHost(data.shape, data.dtype, pieces, first, bounds,
+                                          shard)))
       first += len(bounds)
   waited = [x for x in on_device if x[2].device not in roomy]
   for _, _, data in waited:
@@ -366,3 +434,52 @@ def restore_target(target: Any) -> RestoreTarget:
     return trees.unflatten(treedef, out)
 
   return RestoreTarget(tuple(leaves), build, start)
+
+
+def restore_on_device(target: Any, copies: Sequence[tuple[ShardRecord, DeviceCopy]]
+                      ) -> Any | None:
+  """``target`` restored from a save's shards still on the devices (``copies``: this
+  process's, as ``save_leaves`` made them), or None where they do not make the whole of
+  it: a host leaf, a block no copy holds (another process saved it, or another sharding
+  wants it), pieces released (the save was staged) or never joinable.
+
+  Each device's pieces are joined into its shards once, device to device, in new buffers
+  (``_Pieces.joined``: the save goes on reading its own, and a step that donates the
+  restored state never touches them); a block on another device than its shard's (a
+  replica) is copied there. Nothing is waited for: the transfers run on the devices.
+  """
+  held: dict[tuple[KeyPath, tuple], DeviceToHost] = {}
+  for record, data in copies:
+    if not isinstance(data, DeviceToHost):
+      return None
+    held[(tuple(record.key_path), record.index)] = data
+  flat, treedef = trees.flatten_with_path(target)
+  plan: list[tuple[tuple[int, ...], Any, list[tuple[jax.Device, DeviceToHost]]]] = []
+  for path, want in flat:
+    sharding, shape = getattr(want, "sharding", None), tuple(np.shape(want))
+    if sharding is None:  # a host leaf: saved from the host, before save() returned
+      return None
+    dtype = np.dtype(want.dtype)
+    blocks = []
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+      copy = held.get((tuple(path), shard_index(index, shape)))
+      if copy is None or copy.dtype != dtype:
+        return None
+      blocks.append((device, copy))
+    plan.append((shape, sharding, blocks))
+  joined: dict[int, list[jax.Array]] = {}
+  for _, _, blocks in plan:
+    for _, copy in blocks:
+      if id(copy._pieces) not in joined:
+        shards = copy._pieces.joined()
+        if shards is None:
+          return None
+        joined[id(copy._pieces)] = shards
+  out = []
+  for shape, sharding, blocks in plan:
+    arrays = []
+    for device, copy in blocks:
+      a = joined[id(copy._pieces)][copy._shard]
+      arrays.append(a if a.device == device else jax.device_put(a, device))
+    out.append(jax.make_array_from_single_device_arrays(shape, sharding, arrays))
+  return trees.unflatten(treedef, out)

@@ -9,12 +9,14 @@ Controller needs a device.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 
 from sidecar._src.arena.worker import TrainerProcess
-from sidecar._src.controller.framework import Framework, RestoreTarget, SaveLeaf
+from sidecar._src.ckptfmt.records import ShardRecord
+from sidecar._src.controller.framework import DeviceCopy, Framework, RestoreTarget, SaveLeaf
 from sidecar._src.controller.peers import Peers
 from sidecar._src.jax import checkpoint as jax_checkpoint, distributed, transfer
 from sidecar._src.jax.worker import Worker
@@ -54,3 +56,7 @@ class JaxFramework(Framework):
 
   def restore_target(self, target: Any) -> RestoreTarget:
     return jax_checkpoint.restore_target(target)
+
+  def restore_on_device(self, target: Any, copies: Sequence[tuple[ShardRecord, DeviceCopy]]
+                        ) -> Any | None:
+    return jax_checkpoint.restore_on_device(target, copies)

@@ -3,6 +3,7 @@ that raises rolls back to the newest committed step (state from the RAM tier, th
 moved back with ``Feed.seek``) and the loop repeats what an uninterrupted one computes;
 the same step failing again is raised; a save in flight the sidecars took over is rolled
 back to without waiting for its write (whose later failure the next save raises); one
+not staged yet, from its copies on the devices without waiting for them to land; one
 that failed is not rolled back to."""
 
 import concurrent.futures
@@ -10,12 +11,15 @@ import threading
 
 import grain
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import sidecar
 from sidecar._src.core import env as env_lib, errors
+from sidecar._src.jax import checkpoint as jax_checkpoint
+from sidecar._src.jax.framework import JaxFramework
 from sidecar._src.user import registry as registry_lib
 
 pytestmark = pytest.mark.server
@@ -34,6 +38,19 @@ def ctl(make_server):
   reg.add("pipeline", "rows", rows)
   server = make_server(registry=reg, device_ids=(0,), shm_size=16 << 20)
   with sidecar.jax.Controller([f"127.0.0.1:{server.port}"], timeout=10) as c:
+    yield c
+
+
+@pytest.fixture
+def copying_ctl(make_server):
+  """As on an accelerator: a save copies the state on its devices and returns before the
+  copies land in the arena (``JaxFramework(device_copies=True)``)."""
+  reg = registry_lib.Registry()
+  reg.add("pipeline", "rows", rows)
+  server = make_server(registry=reg, device_ids=(0,), shm_size=16 << 20)
+  # A deadline past the test's wait: a Stage held is never cut short meanwhile.
+  with sidecar.jax.Controller([f"127.0.0.1:{server.port}"], timeout=60,
+                              framework=JaxFramework(device_copies=True)) as c:
     yield c
 
 
@@ -183,6 +200,75 @@ def test_a_save_in_flight_taken_over_is_rolled_back_to_without_waiting_for_its_w
     assert np.asarray(next(feed)["x"]).tolist() == batches(ctl, 7)[6]
     ckpt.wait()  # and step 6 becomes durable as if nothing happened
     assert ckpt.latest_step() == 6
+
+
+@pytest.mark.parametrize("pieces", [True, False], ids=["pieces", "whole-copies"])
+def test_a_save_not_staged_yet_is_rolled_back_to_from_its_copies_on_the_devices(
+    copying_ctl, tmp_path, monkeypatch, pieces):
+  """The chip's case: a step raises while the save before it is still copied off the
+  devices. The rollback restores it from the copies the save holds there, without
+  waiting for it to be staged; the arrays are the trainer's own (a step that donates
+  them leaves the save's copy whole), and the save commits all the same."""
+  gate = tmp_path / "gate"
+  monkeypatch.setenv(env_lib.CKPT_FAULT, f"slowstage@6:{gate}")  # step 6 not staged till gate
+  # N float32 in 4 pieces of 64 rows; the other case a piece size of its own, whose split
+  # is held back: the save copies each shard whole.
+  monkeypatch.setattr(jax_checkpoint, "PIECE_BYTES", 256 if pieces else 512)
+  if not pieces:
+    held, compile_split = threading.Event(), jax_checkpoint._compile_split
+    monkeypatch.setattr(jax_checkpoint, "_compile_split",
+                        lambda *args: (held.wait(60), compile_split(*args)))
+  device = jax.devices()[0]
+  target = {"w": jax.ShapeDtypeStruct((N,), jnp.float32,
+                                      sharding=jax.sharding.SingleDeviceSharding(device))}
+  full = lambda step: {"w": jax.device_put(np.full(N, step, np.float32), device)}
+  donating = jax.jit(lambda s: {"w": s["w"] * 2 + 1}, donate_argnums=0)
+  ctl = copying_ctl
+  with ctl.checkpointer(str(tmp_path / "ck")) as ckpt, open_feed(ctl) as feed:
+    recovery = sidecar.jax.Recovery(ckpt, feed, target=target)
+    for _ in range(SAVE_EVERY):
+      next(feed)
+    ckpt.save(3, full(3), data_state=feed.state()).durable.result(30)
+    if pieces:
+      assert jax_checkpoint.wait_for_splits(60)  # step 6 goes in pieces, split on the device
+    for _ in range(SAVE_EVERY):
+      next(feed)
+    six = ckpt.save(6, full(6), data_state=feed.state())
+    [(_, copy)] = ckpt._driver.runner.on_device.copies  # held till staged, off the device
+    assert len(copy._rows) == (4 if pieces else 1)
+    next(feed)  # the batch of step 7, which fails
+    done = []
+    thread = threading.Thread(target=lambda: done.append(
+        recovery.recover(RuntimeError("step 7 failed"), step=7)))
+    thread.start()
+    try:
+      thread.join(20)  # the Stage of step 6 is held meanwhile: no waiting for it
+      assert done, "recover() waited for the save in flight to be staged"
+      assert not six.staged.done()
+    finally:
+      gate.touch()
+      if not pieces:
+        held.set()
+      thread.join(30)
+    [(step, restored)] = done
+    assert step == 6
+    [rollback] = recovery.rollbacks
+    assert (rollback.tier, rollback.durable, rollback.staged_s, rollback.waited_s) == (
+        "device", False, 0.0, 0.0)
+    assert "not staged yet, from the save's copies on the devices" in rollback.summary()
+    assert ckpt.restored_step == 6
+    np.testing.assert_array_equal(np.asarray(restored["w"]), np.full(N, 6, np.float32))
+    donating(full(1))  # compiled for the loop's state: the restored one reuses it
+    stepped = donating(restored)  # the trainer's own arrays: the save's copy is not these
+    assert restored["w"].is_deleted() and donating._cache_size() == 1
+    np.testing.assert_array_equal(np.asarray(stepped["w"]), np.full(N, 13, np.float32))
+    # the feed was moved back to step 6's position: batch 7 is next
+    assert np.asarray(next(feed)["x"]).tolist() == batches(ctl, 7)[6]
+    ckpt.wait()  # and step 6 is staged and committed as if nothing happened
+    assert ckpt.latest_step() == 6
+    np.testing.assert_array_equal(np.asarray(ckpt.restore(6, target)["w"]),
+                                  np.full(N, 6, np.float32))
+  assert jax_checkpoint.wait_for_splits(60)
 
 
 def test_a_step_rolled_back_to_whose_write_fails_later_is_raised_by_the_next_save(

@@ -36,18 +36,22 @@ or abort, mark committed) and ends it (``durable``, ``replicated``).
 from __future__ import annotations
 
 import abc
+import concurrent.futures
 import dataclasses
 import functools
+import json
 import logging
 import os
 import queue
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt import registry as formats_lib, spec as spec_lib
+from sidecar._src.ckptfmt.records import ShardRecord
 from sidecar._src.controller.checkpoint.client import CheckpointTransport
 from sidecar._src.controller.checkpoint.coordination import KeyValue
 from sidecar._src.controller.checkpoint.options import CheckpointOptions
@@ -56,7 +60,7 @@ from sidecar._src.controller.checkpoint.save_protocol import SaveProtocol, Targe
 from sidecar._src.controller.checkpoint.save_run import Ending, SaveRun
 from sidecar._src.controller.checkpoint.sidecars import SidecarsSnapshot
 from sidecar._src.controller.checkpoint.staging import Lots, ShardCopy, allocate, copy_in
-from sidecar._src.controller.framework import Framework
+from sidecar._src.controller.framework import DeviceCopy, Framework
 from sidecar._src.controller.peers import Peers
 from sidecar._src.core import errors, interrupts
 
@@ -131,6 +135,15 @@ class Driver(abc.ABC):
         "this checkpointer's saves are committed by its trainers (DCP's coordinator): a "
         "step not durable yet cannot be restored; restore a committed step")
 
+  def restore_on_device(self, step: int, target: Any
+                        ) -> tuple[Any, dict[str, Any] | None] | None:
+    """Restores step ``step``, a save in flight not staged yet, from the copies it still
+    holds on this process's devices onto ``target``; returns the tree and its data
+    position, or None where they do not make the whole of it (then nothing is
+    restored). By default None: a plug that keeps no device copies."""
+    del step, target
+    return None
+
   def last_restore_stats(self) -> Any:
     """Where the latest restore's shards came from (None: not known)."""
     return None
@@ -189,6 +202,20 @@ class KeyValueDriver(Driver):
         self.target(self.runner.directory, step).final_dir, step, target, taken_over=True)
     return tree, self._last.data_state
 
+  def restore_on_device(self, step: int, target: Any
+                        ) -> tuple[Any, dict[str, Any] | None] | None:
+    held = self.runner.on_device
+    if held is None or held.step != step:
+      return None
+    t0 = time.perf_counter()
+    tree = self.runner._framework.restore_on_device(target, held.copies)
+    if tree is None:
+      return None
+    data_state = json.loads(held.data_state_json) if held.data_state_json else None
+    self._last = RestoreStats(step, time.perf_counter() - t0, {"device": len(held.copies)},
+                              {"device": sum(c.nbytes for _, c in held.copies)}, data_state)
+    return tree, data_state
+
   def last_restore_stats(self) -> RestoreStats | None:
     return self._last
 
@@ -235,6 +262,22 @@ def key_value_driver(*, options: CheckpointOptions, peers: Peers, framework: Fra
     return KeyValueDriver(runner, restorer, make=plug)
 
   return plug
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OnDevice:
+  """A save's shards still on their way from this process's devices (its late
+  ``DeviceCopy``s), held by its runner until the save is staged: till then an in-process
+  rollback restores the step from them (``Driver.restore_on_device``) rather than wait
+  for the copy. ``data_state_json``: the data position saved with it."""
+  step: int
+  copies: tuple[tuple[ShardRecord, DeviceCopy], ...]
+  data_state_json: str
+
+  def release(self) -> None:
+    """The save is staged (or failed): each copy lets its device buffers go as they land."""
+    for _, copy in self.copies:
+      copy.release()
 
 
 class Finishing:
@@ -362,6 +405,7 @@ class SaveRunner:
     # Every save's finisher that may still run: one copies and commits while the trainer
     # goes on; ``close`` joins them.
     self.finishers: list[Finishing] = []
+    self.on_device: OnDevice | None = None  # the latest save's copies on the devices
 
   def save_to(self, target: Target, tree: Any, *, data_state_json: str,
               ending: Ending) -> None:
@@ -381,6 +425,7 @@ class SaveRunner:
         staged.put(e)
         self._start_finisher(run, lots, staged, [], data_state_json).join()
       raise
+    self._hold(target.step, copies, data_state_json, ending)  # till the finisher stages it
     finisher = self._start_finisher(run, lots, staged, specs, data_state_json)
     try:
       self._allocate(copies, need)
@@ -399,6 +444,26 @@ class SaveRunner:
     # it whatever happens to this process), or it failed (said by ``durable``).
     if lots.stager is None:
       interrupts.wait_done(ending.handle.staged)
+
+  def _hold(self, step: int, copies: list[ShardCopy], data_state_json: str,
+            ending: Ending) -> None:
+    """Holds the save's late copies (on the devices still) until it is staged."""
+    late = tuple((c.record, c.data) for c in copies if isinstance(c.data, DeviceCopy))
+    if not late:
+      return
+    self.on_device = OnDevice(step, late, data_state_json)
+    # The callback stays with the handle (a Future keeps its callbacks): it lets go of
+    # the copies once run, so that a copy that failed holds no device buffer after it.
+    box: list[OnDevice | None] = [self.on_device]
+
+    def staged(_: concurrent.futures.Future) -> None:
+      held, box[0] = box[0], None
+      if held is None:
+        return
+      held.release()
+      if self.on_device is held:
+        self.on_device = None
+    ending.handle.staged.add_done_callback(staged)
 
   def run(self, target: Target, ending: Ending | None) -> SaveRun:
     """The save of ``target``: this process stages its own hosts, the processes

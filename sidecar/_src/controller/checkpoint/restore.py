@@ -46,7 +46,9 @@ _CHECK_THREADS = min(8, os.cpu_count() or 1)
 @dataclasses.dataclass(frozen=True, slots=True)
 class RestoreStats:
   """Where the shards of a restore came from, by source: ``"ram:host0"`` (the arena of
-  the host that staged it), ``"replica:host1"`` (the replica host 1 keeps), ``"storage"``.
+  the host that staged it), ``"replica:host1"`` (the replica host 1 keeps), ``"storage"``,
+  ``"device"`` (a save not staged yet, from its copies on the devices: an in-process
+  rollback's, ``Driver.restore_on_device``).
 
   ``shards[source]`` and ``bytes[source]`` count each stored shard once, however many
   target blocks it fills. ``tier`` names the tier the restore read, for a progress line:

@@ -3,13 +3,14 @@
 ``SIDECAR_CKPT_FAULT="POINT@STEP"`` makes this sidecar SIGKILL itself there (points:
 stage, write, prepared, commit, read: serving a restore's shard of the step), or
 "slow@STEP" pause 2 s before writing ("slow@STEP:PATH": until the file PATH exists, at
-most ``HOLD_S``: a test holds a step not durable while it looks); "replicate@STEP" kills
-it as another sidecar's first shards of STEP arrive, once its own part of STEP is committed (so
-the step is durable and its replication half done); "enospc@STEP" fails the write with
-ENOSPC once its first shard is on disk (a full disk), "eio@STEP" with EIO there (a failing
-disk), each "...:PATH" only once the file PATH exists (a test fails a write it held till
-then); "swap@STEP" kills it in the middle of a DCP
-commit that replaces a committed checkpoint at its path (``ckptfmt/dcp.finalize``).
+most ``HOLD_S``: a test holds a step not durable while it looks), "slowstage@STEP" (and
+"slowstage@STEP:PATH") the same before a Stage of STEP is taken (a step not staged yet);
+"replicate@STEP" kills it as another sidecar's first shards of STEP arrive, once its own
+part of STEP is committed (so the step is durable and its replication half done);
+"enospc@STEP" fails the write with ENOSPC once its first shard is on disk (a full disk),
+"eio@STEP" with EIO there (a failing disk), each "...:PATH" only once the file PATH
+exists (a test fails a write it held till then); "swap@STEP" kills it in the middle of a
+DCP commit that replaces a committed checkpoint at its path (``ckptfmt/dcp.finalize``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def fault(point: str, step: int) -> None:
   """Acts out the fault ``point`` if it is set for ``step``; else does nothing."""
   if armed(point, step):
     _, _, path = (env_lib.get(FAULT_ENV) or "").partition(":")
-    if point == "slow":
+    if point in ("slow", "slowstage"):
       _hold(path, HOLD_S if path else 2.0)
       return
     if point in ("enospc", "eio"):

@@ -300,6 +300,7 @@ class StepWriter:
           f"stage: final_dir {final_dir!r:.200} is not where tmp_dir {tmp_dir!r:.200} goes once "
           f"committed ({final!r:.200})")
     faults.fault("stage", step)
+    faults.fault("slowstage", step)
     with self._tier.slot(final_dir) as slot:
       own = slot.step
       phase = own.phase if own is not None else None

@@ -3,6 +3,7 @@ agreement on each save, the tmp directory Begin answered, the format chosen, and
 joining every thread a save started."""
 
 import concurrent.futures
+import dataclasses
 import threading
 
 import numpy as np
@@ -17,9 +18,10 @@ from sidecar._src.controller.checkpoint import (
 from sidecar._src.controller.checkpoint.options import CheckpointOptions
 from sidecar._src.controller.checkpoint.save_protocol import Target
 from sidecar._src.controller.checkpoint.sidecars import SidecarsSnapshot
-from sidecar._src.controller.framework import NumpyArrays
+from sidecar._src.controller.framework import DeviceCopy, NumpyArrays
 from sidecar._src.controller.peers import LocalPeers
 from sidecar._src.core import errors
+from tests.conftest import eventually
 from tests.support.fake_sidecars import DictPeers, FakeSidecars, checkpointer
 
 pytestmark = pytest.mark.unit
@@ -476,3 +478,72 @@ def test_the_next_save_waits_for_one_in_flight_at_the_loss_and_says_why(caplog):
   assert [m for m in said if m.startswith("step 1 was not saved")], said
   ckpt.close()
   assert ckpt.all_steps() == [2]
+
+
+class _OnItsWay(DeviceCopy):
+  """A host array standing for a copy still on its way from a device."""
+
+  def __init__(self, data):
+    self.data, self.shape, self.dtype = data, data.shape, data.dtype
+
+  def result(self):
+    return np.array(self.data)
+
+
+class LateArrays(NumpyArrays):
+  """Numpy arrays saved as an accelerator's are: each shard a copy on its way (process 0
+  saves every leaf, as NumpyArrays does), restored from those copies where they make the
+  whole target."""
+
+  def save_leaves(self, tree):
+    return [dataclasses.replace(leaf, shards=tuple(
+        dataclasses.replace(s, data=_OnItsWay(s.data)) for s in leaf.shards))
+        for leaf in super().save_leaves(tree)]
+
+  def restore_on_device(self, target, copies):
+    held = {record.key_path: copy.result() for record, copy in copies}
+    if set(held) != {("x",)}:
+      return None
+    return {"x": held[("x",)]}
+
+
+class HeldStages(FakeSidecars):
+  """Host 0 takes the Stages of step 1 only once ``release`` is set."""
+
+  def __init__(self, **kw):
+    super().__init__(**kw)
+    self.release = threading.Event()
+
+  def stage(self, host, stage):
+    if host == 0 and stage.step == 1:
+      assert self.release.wait(30)
+    return super().stage(host, stage)
+
+
+def test_a_save_not_staged_is_restored_from_the_devices_in_every_process_or_in_none():
+  """Process 0 holds copies of the whole state (it saves every leaf), process 1 none: no
+  process restores from its devices; once staged, all restore from the RAM tiers."""
+  # Process 0 stages on two hosts (its step begun by a Begin of its own, not by its held
+  # Stage, which process 1's save would wait for).
+  fake, store = HeldStages(hosts=(0, 1, 2)), {}
+  outcomes: list = [None, None]
+
+  def process(p: int) -> None:
+    with checkpointer(fake, hosts=[0, 1, 2], local=[[0, 2], [1]][p],
+                      peers=DictPeers(store, p, 2), framework=LateArrays()) as ckpt:
+      ckpt.save(1, {"x": np.full(3, 7, np.float32)}, data_state={"at": 1})
+      got = rollback.restore_taken_over(ckpt, {"x": np.zeros(3, np.float32)})
+      outcomes[p] = (got.step, got.tree["x"].tolist(), got.data_state,
+                     ckpt.last_restore_stats().tier)
+
+  threads = [threading.Thread(target=process, args=(p,)) for p in (0, 1)]
+  for t in threads:
+    t.start()
+  try:  # both said whether they restored from their devices: step 1 is staged only then
+    assert eventually(lambda: {"ckpt/rollback/1/device/0", "ckpt/rollback/1/device/1"}
+                      <= set(store))
+  finally:
+    fake.release.set()
+  for t in threads:
+    t.join(60)
+  assert outcomes == [(1, [7.0, 7.0, 7.0], {"at": 1}, "ram")] * 2
