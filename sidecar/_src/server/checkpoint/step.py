@@ -531,6 +531,17 @@ class Step(StepCopy):
       _drain(self._incoming)
     self._whole_event.set()
 
+  def let_go(self) -> None:
+    """The writer's, for a step that FAILED before it was whole and stays in the tier for
+    its trainer to learn why (``write.write_step``): its bytes go back to the arena now
+    (as their last views die), not at the trainer's abort, which may never come."""
+    with self._lock:
+      if self._phase is not Phase.FAILED:
+        raise StateError(f"step {self._step} at {self._final_dir!r:.200} is "
+                         f"{self._phase.name}: only a failed step lets its bytes go so")
+      self._staged.clear()
+    _drain(self._incoming)
+
   def stop(self, why: BaseException) -> None:
     """The sidecar stops (``checkpoints.Checkpoints.close``): its replication is cancelled
     and a writer still waiting for shards stops with ``why`` (then FAILED)."""

@@ -45,7 +45,7 @@ def write_step(own: step_lib.Step, fmt: Format, *, host_id: int, tier: ram_tier.
   feeds wherever they compete. A pool tenant's are written in its ``turn`` at the
   storage, which the tenants writing share. A write that fails before the step is whole
   drops it from the tier where its trainer is gone mid-save (nobody will commit or abort
-  it); else it stays there, failed, until its trainer aborts the save.
+  it); else it stays there, failed, its bytes let go, until its trainer aborts the save.
   ``finish_tmp``: finishes the step's uncommitted directory first (``Format.begin_tmp``:
   a step begun by its first Stage, which answered without waiting for it); what it
   raises fails the write.
@@ -85,10 +85,13 @@ def write_step(own: step_lib.Step, fmt: Format, *, host_id: int, tier: ram_tier.
               extra={"step": own.step})
     # Not whole, and no trainer of it known to be there (gone mid-save: nobody will commit
     # or abort it): it goes. A trainer still there learns the failure from its next Stage
-    # (as one that races this end does), its prepared or its commit, and aborts the save.
-    if (own.end_write(error=error) is step_lib.Phase.STAGING
-        and own.trainers_alive() is not True):
-      tier.remove(own)
+    # (as one that races this end does), its prepared or its commit, and aborts the save;
+    # meanwhile the step keeps its error, not its bytes.
+    if own.end_write(error=error) is step_lib.Phase.STAGING:
+      if own.trainers_alive() is not True:
+        tier.remove(own)
+      else:
+        own.let_go()
     return
   own.end_write(written)
 

@@ -75,6 +75,17 @@ def test_a_failed_write_is_failed_then_dropped(last):
   assert own.phase is Phase.DROPPED
 
 
+def test_a_step_failed_mid_stage_lets_its_bytes_go_and_keeps_its_error():
+  """Kept in the tier for its trainer to learn why (write.write_step), without its bytes."""
+  own = make_step(D, 1, FINAL, shard(0), written=False, staged=False)
+  with pytest.raises(StateError, match=r"is STAGING: only a failed step lets its bytes go"):
+    own.let_go()
+  own.end_write(error=OSError(28, "No space left on device"))
+  own.let_go()
+  assert own.phase is Phase.FAILED and isinstance(own.error, OSError)
+  assert own.shards == {} and own.staged() == [] and own.owners
+
+
 def test_an_abort_mid_write_drops_it_and_stops_its_writer():
   """Dropped while staging: the writer waiting for shards stops with why, and its end is
   recorded on the step, which stays dropped."""
