@@ -87,41 +87,50 @@ class DataRoots:
 
 
 ANYWHERE = DataRoots()
+GIVE_BACK_S = 2.0  # how long an open past open_files waits for files given back
 
 
 class _OpenFiles:
   """The files each tenant's pipelines hold open in this process (``data_paths.DataFile``\\ s,
   ``DataView``\\ s' files), against ``DataRoots.open_files``: past it, a tenant's
   next open is refused, so its feeds use up their own share of the descriptor table,
-  never the sidecar's or another tenant's."""
+  never the sidecar's or another tenant's. An open past it first waits up to
+  :data:`GIVE_BACK_S` for files given back: a feed the client just closed gives its files
+  back once its pipeline ends on the sidecar, which may come after the client's next feed
+  asks (close a feed, open another)."""
 
   def __init__(self) -> None:
-    self._lock = threading.Lock()
+    # Reentrant: a file whose last reference goes (a collection, on any thread, a waiting
+    # one included) gives its count back under it.
+    self._cond = threading.Condition(threading.RLock())
     self._held: collections.Counter[str] = collections.Counter()
 
   def take(self, roots: DataRoots, n: int, what: str) -> None:
     """Counts ``n`` more files of ``roots.tenant``.
 
     Raises:
-      ResourceExhaustedError: past ``roots.open_files``; naming the limit and the fix.
+      ResourceExhaustedError: past ``roots.open_files`` for :data:`GIVE_BACK_S`; naming
+        the limit and the fix.
     """
-    with self._lock:
-      held = self._held[roots.tenant]
-      if roots.open_files is not None and held + n > roots.open_files:
+    tenant, most = roots.tenant, roots.open_files
+    with self._cond:
+      if most is not None and not self._cond.wait_for(
+          lambda: self._held[tenant] + n <= most, timeout=GIVE_BACK_S):
         raise errors.ResourceExhaustedError(
-            f"tenant {roots.tenant!r}'s feeds hold {held} open files; {what} would pass its "
-            f"quota ({roots.open_files_why or f'open_files={roots.open_files}'}); close "
+            f"tenant {tenant!r}'s feeds hold {self._held[tenant]} open files; {what} would "
+            f"pass its quota ({roots.open_files_why or f'open_files={most}'}); close "
             "feeds that are done, read fewer files at once (a dataset of fewer, larger "
             "files), or ask the pool's operator to raise its open_files in the pool file")
-      self._held[roots.tenant] = held + n
+      self._held[tenant] += n
 
   def give(self, tenant: str, n: int) -> None:
-    with self._lock:
+    with self._cond:
       self._held[tenant] -= n
+      self._cond.notify_all()
 
   def held(self, tenant: str) -> int:
     """How many files ``tenant``'s pipelines hold open now."""
-    with self._lock:
+    with self._cond:
       return self._held[tenant]
 
 

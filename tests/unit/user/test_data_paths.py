@@ -348,6 +348,24 @@ def test_open_files_count_against_the_tenant_until_closed(tree, how):
     assert f.read() == MINE
 
 
+def test_an_open_past_the_quota_waits_for_files_given_back(tree, how):
+  """A feed closed by its client gives its files back when its pipeline ends on the
+  sidecar, which may come after the client's next feed opens: that open waits (up to
+  GIVE_BACK_S) instead of being refused (CI saw `close a feed, open another` refused)."""
+  from sidecar._src.user.data_roots import OPEN_FILES
+  ctx = _limited(tree, 1)
+  (tree / "bob" / "sub" / "g").write_bytes(MINE)
+  held = ctx.data_path(f"{tree}/bob/sub/f").open()
+  closing = threading.Timer(0.3, held.close)  # the ending pipeline, on its own thread
+  closing.start()
+  try:
+    with ctx.data_path(f"{tree}/bob/sub/g").open() as f:
+      assert f.read() == MINE and held.closed  # it waited for the close, and got its file
+  finally:
+    closing.join()
+  assert OPEN_FILES.held("bob-files") == 0
+
+
 def test_open_files_cross_to_a_feed_worker():
   roots = DataRoots(roots=("/data/bob",), tenant="bob", open_files=7,
                     open_files_why="open_files=7, pool.yaml:3")
