@@ -121,7 +121,10 @@ def test_a_step_its_sidecar_commits_as_it_stops_is_said_committed_and_resumable(
   _until_taken_over(p, tmp_path)
   p.send_signal(signal.SIGINT)
   err = _read_until(p.stderr, "the sidecars stop now")
-  (tmp_path / "written").touch()  # its write ends while its sidecar stops
+  # Its write ends while its sidecar stops, after its committer looked again (every 0.5 s):
+  # it waits for the write that stopping lets finish (it abandoned the step, CI saw).
+  time.sleep(1.5)
+  (tmp_path / "written").touch()
   _, rest = p.communicate(timeout=60)
   err += rest
   assert p.returncode == 130, err

@@ -244,10 +244,12 @@ class Agreements:
           a.cond.wait(POLL_S)
 
   def _look_around(self, a: Agreement, missing: list[int], silent: list[int]) -> None:
-    """Raises where the save can no longer be committed; asks the hosts gone silent."""
-    if self._closed.is_set():
-      raise errors.ClosedError(f"the sidecar of host {self._host_id} is stopping")
+    """Raises where the save can no longer be committed; asks the hosts gone silent. A
+    stopping sidecar lets a write whose part is whole here finish (``Checkpoints.close``
+    joins it): till it ends, the committer waits for it, then commits what is written."""
     own = a.own
+    if self._closed.is_set() and (own is None or own.phase is not step_lib.Phase.STAGED):
+      raise errors.ClosedError(f"the sidecar of host {self._host_id} is stopping")
     begun = self._writer.begun(a.directory, a.step, a.format) if own is None else None
     alive = (own.trainers_alive() if own is not None
              else begun.alive() if begun is not None and begun.alive is not None else None)
