@@ -76,7 +76,7 @@ def _on_device(ckpt: Checkpointer, handle: SaveHandle | None, target: Any, key: 
                   "devices (%s: %s): restoring it from the sidecars' RAM tiers once staged",
                   handle.step, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
   step = handle.step if restored is not None and handle is not None else None
-  if ckpt._peers.count > 1 and len(set(ckpt._peers.all_gather(key, json.dumps(step)))) > 1:
+  if not _same_in_every_process(ckpt, key, step):
     return None  # not in every process: all wait for the copy alike
   if restored is None or step is None:
     return None
@@ -95,7 +95,7 @@ def _from_ram_tiers(ckpt: Checkpointer, handle: SaveHandle | None, target: Any, 
     if handle.staged.exception() is None and handle.taken_over.done() and (
         handle.taken_over.result()):
       step = handle.step
-  if ckpt._peers.count > 1 and len(set(ckpt._peers.all_gather(key, json.dumps(step)))) > 1:
+  if not _same_in_every_process(ckpt, key, step):
     return None  # some process's part was not taken over: its save fails
   if step is None:
     return None
@@ -112,3 +112,8 @@ def _from_ram_tiers(ckpt: Checkpointer, handle: SaveHandle | None, target: Any, 
   if restored is None:
     return None
   return Rolled(step, restored[0], restored[1], waited)
+
+
+def _same_in_every_process(ckpt: Checkpointer, key: str, step: int | None) -> bool:
+  """Whether every process of the job calls this with the same ``step`` (under ``key``)."""
+  return ckpt._peers.count == 1 or len(set(ckpt._peers.all_gather(key, json.dumps(step)))) == 1
