@@ -29,11 +29,15 @@
 #   the floor: a holder (start ~13 s, 100 resident steps
 #   14 s) SIGKILLed, a fresh process to its first step ~14 s  ~45 s
 #                                                             ~450 s in all
-# Part 2: benchmarks.restart_floor --rounds 1 (a fresh and a standby round: the floor
-# away from part 1's jobs and their ~25 GB of checkpoint writes; its holder compiles
-# cold, ~10 s), then benchmarks.recover --rounds 2 (in-process rollback against a restart
-# and a standby restart; step 40 raises, saves every 32):
-#   setup 14-31 s; restart_floor ~80 s; recover 2 x ~120 s + one cold compile ~25 s: ~380 s
+# Part 2: benchmarks.recover on one JAX compilation cache (only the first launch compiles
+# cold, ~25 s): in-process rollbacks, 2 rounds each, step 33 raising (one step after a save:
+# not staged yet, restored from its copies on the devices), step 40 (8 steps after: staged,
+# not durable yet, restored from the RAM tier) and step 60 (no save in flight); then a
+# restart and a standby restart at step 40, 1 round each. BEFORE=DIR runs the in-process
+# rounds at steps 40 and 60 again from an older tree at DIR as well (its sidecar, examples
+# and pipelines; this tree's benchmarks/recover.py copied into it), before and after in one
+# run. FLOOR=1 first runs benchmarks.restart_floor --rounds 1 (a fresh and a standby round,
+# ~80 s). Expected: setup 14-31 s; each launch 25-40 s; ~430 s with BEFORE.
 set -uo pipefail
 PART=${1:?usage: bash benchmarks/goodput_chip_kinds.sh 1|2 [ARGS]}
 shift
@@ -42,17 +46,17 @@ cd "$(dirname "$0")/.."
 if [ -n "${DRY_RUN:-}" ]; then  # CPU: the same commands, the tiny config, short walls
   mkdir -p "$OUT"
   t0=$(date +%s)
-  PY=${PY:-.venv/bin/python} CONFIG=tiny DATA=${DATA:-/tmp/lm-data-dry}
+  PY=${PY:-$PWD/.venv/bin/python} CONFIG=tiny DATA=${DATA:-/tmp/lm-data-dry}
   RUN=(--wall 60 --mtbf 12 --seed 35 --stall-timeout 8 --save-every ours=20
        --save-every baseline=100)
-  RECOVER=(--save-every 10 --fail-at 27 --steps 40)
+  RECOVER=(--save-every 10 --steps 40) FAIL_AT=(11 17 27)
   [ -f "$DATA/manifest.json" ] || $PY examples/lm/prepare.py --out "$DATA" --max-mb 2 >/dev/null
 else
   source benchmarks/chip_setup.sh || exit 2
   PY=python3 CONFIG=chip DATA=/tmp/lm-data
   RUN=(--wall 120 --mtbf 35 --seed 136 --stall-timeout 20 --save-every ours=32
        --save-every baseline=259)
-  RECOVER=(--save-every 32 --fail-at 40 --steps 60)
+  RECOVER=(--save-every 32 --steps 64) FAIL_AT=(33 40 60)
 fi
 left() { echo $(( ${LIMIT:-530} - ($(date +%s) - t0) )); }
 case $PART in
@@ -63,12 +67,31 @@ case $PART in
     code=${PIPESTATUS[0]}
     ;;
   2)
-    timeout "$(left)" $PY -m benchmarks.restart_floor --config $CONFIG --rounds 1 \
-      --preload optax 2>&1 | tee "$OUT/restart-floor.log"
-    code=${PIPESTATUS[0]}
-    timeout "$(left)" $PY -m benchmarks.recover --config $CONFIG --rounds 2 "${RECOVER[@]}" \
-      --data "$DATA" 2>&1 | tee "$OUT/recover.log"
-    code=$(( code | PIPESTATUS[0] ))
+    export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax-cache-recover}
+    code=0
+    if [ -n "${FLOOR:-}" ]; then
+      timeout "$(left)" $PY -m benchmarks.restart_floor --config $CONFIG --rounds 1 \
+        --preload optax 2>&1 | tee "$OUT/restart-floor.log"
+      code=${PIPESTATUS[0]}
+    fi
+    recover() {  # TREE LOG ARGS: benchmarks.recover run from TREE, its output in $OUT/LOG
+      local tree=$1 log=$2
+      shift 2
+      (cd "$tree" && timeout "$(left)" $PY -m benchmarks.recover --config $CONFIG \
+        --data "$DATA" "$@") 2>&1 | tee "$OUT/$log"
+      code=$(( code | PIPESTATUS[0] ))
+    }
+    for at in "${FAIL_AT[@]}"; do
+      recover . "recover-$at.log" --ways in-process --rounds 2 --fail-at "$at" "${RECOVER[@]}"
+    done
+    if [ -n "${BEFORE:-}" ]; then
+      for at in "${FAIL_AT[@]:1}"; do
+        recover "$BEFORE" "recover-before-$at.log" --ways in-process --rounds 2 --fail-at "$at" \
+          "${RECOVER[@]}"
+      done
+    fi
+    recover . recover-restart.log --ways restart,standby --rounds 1 --fail-at "${FAIL_AT[1]}" \
+      "${RECOVER[@]}"
     ;;
   *)
     echo "usage: bash benchmarks/goodput_chip_kinds.sh 1|2 [ARGS]" >&2
