@@ -90,7 +90,8 @@ def write_step(own: step_lib.Step, fmt: Format, *, host_id: int, tier: ram_tier.
     # stages inline), learns the failure from its next Stage (as one that races this end
     # does), its prepared or its commit, and aborts the save; meanwhile the step keeps its
     # error, not its bytes, and expires as an uncommitted step does (a trainer that never
-    # comes back holds a record of a few hundred bytes, not its shards, for uncommitted_s).
+    # comes back leaves its record, no shard in it, for uncommitted_s: its error, owners
+    # and leaf specs).
     if own.end_write(error=error) is step_lib.Phase.STAGING:
       if own.trainers_alive() is False:
         tier.remove(own)
