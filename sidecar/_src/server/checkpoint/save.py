@@ -313,7 +313,7 @@ class StepWriter:
             f"session on host {self._host_id}; only the session that began a save stages "
             "its parts")
       if (own is not None and phase is step_lib.Phase.FAILED and finish_tmp is None
-          and _part_of(own, tmp_dir, owner)):  # a later part of a failed save
+          and _same_save(own, tmp_dir, owner)):  # a later part of a failed save
         assert own.error is not None
         raise write_lib.write_failure(self._host_id, step, final_dir, own.error,
                                       tmp_dir=tmp_dir)
@@ -499,7 +499,7 @@ class StepWriter:
     _remove_dir(target)  # (another host's delete may rename it away first: gone, as asked)
 
 
-def _part_of(own: step_lib.Step, tmp_dir: str, owner: str) -> bool:
+def _same_save(own: step_lib.Step, tmp_dir: str, owner: str) -> bool:
   """Whether a Stage of the session ``owner`` into ``tmp_dir`` that does not begin its step
   is a part of the save of ``own``, whose write failed: a later part of a session that
   staged it, or the first of another of its writers (fewer staged it than it has: it

@@ -535,9 +535,8 @@ class Step(StepCopy):
 
   def let_go(self) -> None:
     """The writer's, for a step that FAILED before it was whole and stays in the tier for
-    its trainers to learn why (``write.write_step``: they are there, or not known): its
-    bytes go back to the arena now (as their last views die), not at the trainer's abort,
-    which may never come (the record expires as an uncommitted step)."""
+    its trainers (there, or not known) to learn why: its bytes go back to the arena now (as
+    their last views die), not at an abort that may never come (it expires, uncommitted)."""
     with self._lock:
       if self._phase is not Phase.FAILED:
         raise StateError(f"step {self._step} at {self._final_dir!r:.200} is "
