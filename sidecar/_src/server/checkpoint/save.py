@@ -312,8 +312,8 @@ class StepWriter:
             f"stage: step {own.step} at {final_dir!r:.200} is being saved by another "
             f"session on host {self._host_id}; only the session that began a save stages "
             "its parts")
-      if (own is not None and phase is step_lib.Phase.FAILED and own.tmp_dir == tmp_dir
-          and owner in own.owners and finish_tmp is None):  # a later part of a failed save
+      if (own is not None and phase is step_lib.Phase.FAILED and finish_tmp is None
+          and _same_save(own, tmp_dir, owner)):  # a later part of a failed save
         assert own.error is not None
         raise write_lib.write_failure(self._host_id, step, final_dir, own.error,
                                       tmp_dir=tmp_dir)
@@ -426,10 +426,10 @@ class StepWriter:
     """:meth:`commit` of ``own``, written here, once checked to be the caller's."""
     step = own.step
     part = own.view().agree
-    if part is AgreePhase.FAILED:
-      raise errors.InvalidArgumentError(
-          f"commit: step {step} at {tmp_dir!r:.200} failed to write on host {self._host_id} "
-          f"({own.error}); save it again")
+    if part is AgreePhase.FAILED:  # the write's own error, as its prepared and Stages say
+      assert own.error is not None
+      raise write_lib.write_failure(self._host_id, step, own.final_dir, own.error,
+                                    tmp_dir=own.tmp_dir)
     if part is AgreePhase.TAKEN_OVER:  # a save commits after its prepared: another's
       raise errors.InvalidArgumentError(
           f"commit: step {step} at {tmp_dir!r:.200} is still being written on host "
@@ -497,6 +497,21 @@ class StepWriter:
           f"other mark of a format of {self._formats.names} in it or its items); delete "
           "removes only steps a checkpoint wrote")
     _remove_dir(target)  # (another host's delete may rename it away first: gone, as asked)
+
+
+def _same_save(own: step_lib.Step, tmp_dir: str, owner: str) -> bool:
+  """Whether a Stage of the session ``owner`` into ``tmp_dir`` that does not begin its step
+  is a part of the save of ``own``, whose write failed: a later part of a session that
+  staged it, or the first of another of its writers (fewer staged it than it has: it
+  failed mid-stage) while that save's parts still come (within ``STAGE_TIMEOUT_S`` of
+  the failure, as its writer waits for them; later, a part is another save's)."""
+  if own.tmp_dir != tmp_dir:
+    return False
+  if owner in own.owners:
+    return True
+  failed = own.finished
+  return (len(own.owners) < own.writers and failed is not None
+          and time.monotonic() - failed < write_lib.STAGE_TIMEOUT_S)
 
 
 def _check_extra(extra: Any, expected: type | None, what: str) -> None:

@@ -20,8 +20,10 @@ assigns it. Its :class:`Phase`::
 - ``commit`` (``ram_tier.RamTier.mark_committed``): WRITTEN to COMMITTED, once; again is
   nothing. It does not end an agreement (the tier ends it, explicitly, beside).
 - ``drop`` (``ram_tier.RamTier``: evicted, expired, aborted, abandoned, replaced, a write
-  failed mid-stage): its bytes go back to the arena (as their last views die), its
-  replication is cancelled, and a writer still waiting for shards is stopped.
+  failed mid-stage with its trainers gone): its bytes go back to the arena (as their last
+  views die), its replication is cancelled, and a writer still waiting for shards is
+  stopped. ``let_go`` (``write.write_step``: a write failed mid-stage, its trainers there
+  or not known) lets its bytes go and keeps it FAILED, its error told to their next part.
 
 Beside the phase, two things run along with it:
 
@@ -533,8 +535,8 @@ class Step(StepCopy):
 
   def let_go(self) -> None:
     """The writer's, for a step that FAILED before it was whole and stays in the tier for
-    its trainer to learn why (``write.write_step``): its bytes go back to the arena now
-    (as their last views die), not at the trainer's abort, which may never come."""
+    its trainers (there, or not known) to learn why: its bytes go back to the arena now (as
+    their last views die), not at an abort that may never come (it expires, uncommitted)."""
     with self._lock:
       if self._phase is not Phase.FAILED:
         raise StateError(f"step {self._step} at {self._final_dir!r:.200} is "

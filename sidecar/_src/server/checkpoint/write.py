@@ -44,8 +44,10 @@ def write_step(own: step_lib.Step, fmt: Format, *, host_id: int, tier: ram_tier.
   engine, e.g. ckptfmt/orbax/write.py): a save yields the CPU to the training step and
   feeds wherever they compete. A pool tenant's are written in its ``turn`` at the
   storage, which the tenants writing share. A write that fails before the step is whole
-  drops it from the tier where its trainer is gone mid-save (nobody will commit or abort
-  it); else it stays there, failed, its bytes let go, until its trainer aborts the save.
+  drops it from the tier where its trainers are known gone mid-save (nobody will commit
+  or abort it); else (there, or not known: a trainer with no worker session, which
+  stages inline) it stays there, failed, its bytes let go, until its trainer aborts the
+  save or, at most ``RamTier.uncommitted_s`` after the failure, it expires.
   ``finish_tmp``: finishes the step's uncommitted directory first (``Format.begin_tmp``:
   a step begun by its first Stage, which answered without waiting for it); what it
   raises fails the write.
@@ -83,12 +85,15 @@ def write_step(own: step_lib.Step, fmt: Format, *, host_id: int, tier: ram_tier.
     e.__context__ = e.__cause__ = None  # and so would those of the exceptions it chains
     log.error("step %d: writing this host's part failed: %s", own.step, e,
               extra={"step": own.step})
-    # Not whole, and no trainer of it known to be there (gone mid-save: nobody will commit
-    # or abort it): it goes. A trainer still there learns the failure from its next Stage
-    # (as one that races this end does), its prepared or its commit, and aborts the save;
-    # meanwhile the step keeps its error, not its bytes.
+    # Not whole, and its trainers known gone (mid-save: nobody will commit or abort it):
+    # it goes. A trainer there, or one whose liveness is not known (no worker session: it
+    # stages inline), learns the failure from its next Stage (as one that races this end
+    # does), its prepared or its commit, and aborts the save; meanwhile the step keeps its
+    # error, not its bytes, and expires as an uncommitted step does (a trainer that never
+    # comes back leaves its record, no shard in it, for uncommitted_s: its error, owners
+    # and leaf specs).
     if own.end_write(error=error) is step_lib.Phase.STAGING:
-      if own.trainers_alive() is not True:
+      if own.trainers_alive() is False:
         tier.remove(own)
       else:
         own.let_go()

@@ -76,3 +76,57 @@ def test_a_chunk_write_that_fails_with_an_os_error_is_a_checkpoint_write_error(
     assert ckpt.all_steps() == []
     ckpt.save(2, state).durable.result(60)  # the disk has room again
     assert ckpt.all_steps() == [2]
+
+
+def test_a_trainer_that_stages_inline_is_told_why_its_write_failed_mid_save(
+    make_server, tmp_path, monkeypatch):
+  """Review of issue 69: a trainer with no worker session (``attach=False``: its shards
+  travel inline in its Stages) has no liveness the sidecar knows. A write that failed
+  before its step was whole dropped the step at once, and the trainer's next part began a
+  new, partial one: the save raised "shard of leaf 1: the step has 0 leaves"
+  (InvalidArgumentError), never why. Now the failed step is kept, its bytes let go, and
+  the next part is refused with the write's own error; the trainer's abort removes it.
+
+  The write fails on a real file: one put where the step's item directory goes while its
+  writer is held ("slow@2:PATH"), between the trainer's first part and its second."""
+  import errno
+  import time
+
+  from sidecar._src.controller.checkpoint import client as client_lib, staging
+  from sidecar._src.server.checkpoint.faults import FAULT_ENV
+  go = tmp_path / "go"
+  monkeypatch.setenv(FAULT_ENV, f"slow@2:{go}")  # step 2's writer waits for go
+  monkeypatch.setattr(staging, "STAGE_LOT_BYTES", 1)  # every shard its own part
+  server = make_server(shm_size=16 << 20, device_ids=(0,))
+  tier = server.checkpoints.tier
+  tmp = tmp_path / "ck" / "2.orbax-checkpoint-tmp"
+  stage = client_lib.CheckpointClient.stage
+  held = []
+
+  def second_part_once_the_write_failed(self, host, part):
+    if part.step == 2 and part.begin is None and not held:  # the first part began it
+      held.append(part)
+      (tmp / "default").write_bytes(b"in the item directory's way")
+      go.touch()
+      deadline = time.monotonic() + 60
+      while tier.writing() and time.monotonic() < deadline:  # its write fails meanwhile
+        time.sleep(0.01)
+    return stage(self, host, part)
+  monkeypatch.setattr(client_lib.CheckpointClient, "stage", second_part_once_the_write_failed)
+  state = lambda value: {k: np.full(1 << 14, value + i, np.float32) for i, k in enumerate("abc")}
+  with sidecar.jax.Controller([f"127.0.0.1:{server.port}"], attach=False) as ctl, \
+      ctl.checkpointer(tmp_path / "ck", replicas=0) as ckpt:
+    assert ctl.worker(0) is None  # no worker session: the Stages carry the shards inline
+    ckpt.save(1, state(1.0)).durable.result(60)
+    ckpt.save(2, state(2.0))
+    with pytest.raises(sidecar.CheckpointWriteError) as raised:
+      ckpt.wait()
+    e = raised.value
+    assert held and (e.errno, e.host_id, e.path) == (errno.ENOTDIR, 0, str(tmp / "default"))
+    assert str(e).startswith(f"host 0 could not write step 2: Not a directory (ENOTDIR) "
+                             f"writing {tmp / 'default'}; "), e
+    assert tier.find(str(tmp_path / "ck" / "2" / "default")) is None  # the abort removed it
+    assert ckpt.all_steps() == [1] and not tmp.exists()
+    ckpt.save(3, state(3.0)).durable.result(60)  # the next save works
+    restored = ckpt.restore(3, target=abstract(state(3.0)))
+    np.testing.assert_array_equal(restored["c"], np.full(1 << 14, 5.0, np.float32))

@@ -26,6 +26,7 @@ from sidecar._src.server.checkpoint import (
   step as step_lib,
   write as write_lib,
 )
+from tests.conftest import eventually
 from tests.support import races
 from tests.support.staged import staged
 
@@ -128,35 +129,90 @@ def test_a_write_failure_is_a_checkpoint_write_error_and_the_step_is_never_commi
                      r"No space left on device \(ENOSPC\)") as e:
     writer.prepared(final, timeout=30)
   assert (e.value.errno, e.value.path, e.value.host_id) == (errno.ENOSPC, path, 0)
-  with pytest.raises(errors.InvalidArgumentError, match="failed to write on host 0 "):
+  with pytest.raises(errors.CheckpointWriteError, match=r"^host 0 could not write step 4: "
+                     r"No space left on device \(ENOSPC\)"):  # the write's own error
     writer.commit(Commit(tmp_dir, 4, 1, SPECS, [], "", True), owner="a")
   writer.abort(os.path.dirname(tmp_dir), final)
   assert os.listdir(directory) == []  # no step, no tmp directory
 
 
-def test_a_part_staged_after_its_saves_write_failed_is_told_the_failure(make_writer, tmp_path):
+# What the sidecar knows of a trainer's liveness: its worker session attached (a trainer
+# that maps the arena), or nothing (one with no worker session: it stages inline).
+LIVENESS = {"worker": dict(worker="w", alive=lambda: True), "inline": {}}
+
+
+@pytest.mark.parametrize("trainer", LIVENESS, ids=list(LIVENESS))
+def test_a_part_staged_after_its_saves_write_failed_is_told_the_failure(make_writer, tmp_path,
+                                                                       trainer):
   """Issue 69 review: the write fails while its trainer is still staging. Its next part got
   the failure only if it came in the microsecond between the Stage's look at the step and
   its take; a moment later the failed step had left the tier and the part began a new,
   partial step (its commit then 'incomplete'). Now every later part is told the failure,
-  and the trainer's abort removes the step."""
+  and the trainer's abort removes the step. A trainer with no worker session (inline
+  Stages: its liveness unknown) too: its failed step left the tier at once before."""
   path = str(tmp_path / "ck" / "w" / "0")
   engine = Recording(fail=OSError(errno.ENOSPC, "No space left on device", path))
   writer, tier = make_writer(engine)
   directory, tmp_dir, final = begun(writer, tmp_path, 4)
   part = lambda shards, last: writer.stage(
-      Stage(directory, 4, tmp_dir, final, SPECS, shards, last=last), owner="a", worker="w",
-      alive=lambda: True)
+      Stage(directory, 4, tmp_dir, final, SPECS, shards, last=last), owner="a",
+      **LIVENESS[trainer])
   part([shard(0, ((0, 2), (0, 2)), 1.0)], False)
   own = tier.find(final)
   assert own.wait_written(30) and own.phase is step_lib.Phase.FAILED
+  assert eventually(lambda: own.shards == {})  # its bytes let go; its error kept
   for _ in range(2):
     with pytest.raises(errors.CheckpointWriteError, match=r"^host 0 could not write step 4: "
                        r"No space left on device \(ENOSPC\)"):
       part([shard(0, ((2, 4), (0, 2)), 2.0), shard(1, ((0, 3),), 7)], True)
   assert tier.find(final) is own  # nothing new begun in its place
+  with pytest.raises(errors.CheckpointWriteError, match=r"^host 0 could not write step 4: "
+                     r"No space left on device \(ENOSPC\) writing .*; make room there"):
+    writer.commit(Commit(tmp_dir, 4, 1, SPECS, [], "", True), owner="a")
   writer.abort(os.path.dirname(tmp_dir), final)
   assert tier.find(final) is None and own.phase is step_lib.Phase.DROPPED
+
+
+@pytest.mark.parametrize("trainer", LIVENESS, ids=list(LIVENESS))
+def test_another_writers_part_after_the_write_failed_is_told_the_failure(
+    make_writer, tmp_path, monkeypatch, trainer):
+  """Two trainer processes stage into this host; the write fails after the first one's
+  first part. The second one's first part began a new, partial step in the failed one's
+  place (and the first one's later parts joined it): now it is told the failure. A part
+  that comes once the save's parts would have stopped coming (``STAGE_TIMEOUT_S`` after
+  the failure) is another save's: it begins its step anew."""
+  engine = Recording(fail=OSError(errno.EIO, "Input/output error", "w/0"))
+  writer, tier = make_writer(engine)
+  directory, tmp_dir, final = begun(writer, tmp_path, 4)
+  part = lambda owner, shards: writer.stage(
+      Stage(directory, 4, tmp_dir, final, SPECS, shards, last=True, writers=2), owner=owner,
+      **LIVENESS[trainer])
+  part("a", [shard(0, ((0, 2), (0, 2)), 1.0)])
+  own = tier.find(final)
+  assert own.wait_written(30) and own.phase is step_lib.Phase.FAILED
+  with pytest.raises(errors.CheckpointWriteError, match=r"^host 0 could not write step 4: "
+                     r"Input/output error \(EIO\) writing w/0"):
+    part("b", [shard(0, ((2, 4), (0, 2)), 2.0), shard(1, ((0, 3),), 7)])
+  assert tier.find(final) is own
+  monkeypatch.setattr(write_lib, "STAGE_TIMEOUT_S", 0.0)  # long after the failure
+  engine.fail = None
+  part("b", [shard(0, ((2, 4), (0, 2)), 2.0), shard(1, ((0, 3),), 7)])
+  assert tier.find(final) is not own and own.phase is step_lib.Phase.DROPPED
+
+
+def test_a_failed_step_kept_for_its_trainer_expires_as_an_uncommitted_one(make_writer, tmp_path):
+  """The failed step of a trainer whose liveness is unknown (inline Stages), kept for it
+  to learn why, is not kept for good where it never comes back: it goes as an uncommitted
+  step does (``RamTier.uncommitted_s`` after the failure, 600 s by default)."""
+  writer, tier = make_writer(Recording(fail=OSError(errno.ENOSPC, "No space left on device")))
+  directory, tmp_dir, final = begun(writer, tmp_path, 4)
+  writer.stage(Stage(directory, 4, tmp_dir, final, SPECS, [shard(1, ((0, 3),), 1)],
+                     last=False), owner="a")
+  own = tier.find(final)
+  assert own.wait_written(30) and own.phase is step_lib.Phase.FAILED
+  assert tier.expire_uncommitted() == [] and tier.find(final) is own  # within its time
+  tier.uncommitted_s = 0.0
+  assert tier.expire_uncommitted() == [4] and tier.find(final) is None
 
 
 def test_abort_stops_a_writer_waiting_for_parts_and_lets_the_blocks_go(make_writer, tmp_path):
@@ -417,7 +473,8 @@ def test_a_step_whose_directory_could_not_be_finished_fails_as_a_failed_write(ma
                            r"writing meta"):
     writer.prepared(final, timeout=30)
   assert engine.seen == []  # nothing written
-  with pytest.raises(errors.InvalidArgumentError, match="failed to write on host 0 "):
+  with pytest.raises(errors.CheckpointWriteError, match=r"No space left on device \(ENOSPC\) "
+                     r"writing meta"):  # the write's own error
     writer.commit(Commit(tmp_dir, 4, 1, SPECS, [], "", True), owner="a")
   writer.abort(os.path.dirname(tmp_dir), final)
   assert os.listdir(directory) == [] and tier.find(final) is None
