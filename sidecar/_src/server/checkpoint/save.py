@@ -425,6 +425,7 @@ class StepWriter:
               whole_step: bool, replicas: dict[int, list[int]] | None, extra: Any) -> str:
     """:meth:`commit` of ``own``, written here, once checked to be the caller's."""
     step = own.step
+    faults.fault("slowcommit", step)
     part = own.view().agree
     if part is AgreePhase.FAILED:
       raise errors.InvalidArgumentError(
@@ -443,7 +444,7 @@ class StepWriter:
     faults.fault("commit", step)
     committed = fmt.commit(tmp_dir, manifest, leaves=leaves, num_hosts=num_hosts,
                            whole_step=whole_step, extra=extra,
-                           swapping=lambda: faults.fault("swap", step))
+                           swapping=lambda: _mid_commit(step))
     if fmt.commit_extra is not None:  # kept in host memory (a DCP step's): info() answers it,
       own.keep_manifest(manifest)    # the trainer tells the other RAM tiers (built once)
     self._begins.ended(pathlib.Path(tmp_dir))
@@ -497,6 +498,13 @@ class StepWriter:
           f"other mark of a format of {self._formats.names} in it or its items); delete "
           "removes only steps a checkpoint wrote")
     _remove_dir(target)  # (another host's delete may rename it away first: gone, as asked)
+
+
+def _mid_commit(step: int) -> None:
+  """The fault points inside a commit of ``step``, its files in place and its last rename
+  to come (``Format.commit``'s ``swapping``)."""
+  faults.fault("swap", step)
+  faults.fault("slowrename", step)
 
 
 def _check_extra(extra: Any, expected: type | None, what: str) -> None:
