@@ -424,18 +424,18 @@ class StepWriter:
               leaves: Sequence[LeafSpec], shards: Sequence[ShardRecord], data_state: str,
               whole_step: bool, replicas: dict[int, list[int]] | None, extra: Any) -> str:
     """:meth:`commit` of ``own``, written here, once checked to be the caller's: one at a
-    time with its abort (``Step.begin_commit``, refused once it was aborted; an abort
-    waits for its end)."""
+    time with its abort (``Step.commit_gate``: refused once it was aborted; an
+    abort waits for its end)."""
     step = own.step
     faults.fault("slowcommit", step)
-    own.begin_commit()
+    own.commit_gate.begin()
     committed = ""
     try:
       committed = self._commit_begun(own, fmt, tmp_dir, num_hosts, leaves, shards, data_state,
                                      whole_step, replicas, extra)
       return committed
     finally:
-      own.end_commit(committed if whole_step else "")  # an item: its manager commits it
+      own.commit_gate.end(committed if whole_step else "")  # an item: its manager commits it
 
   def _commit_begun(self, own: step_lib.Step, fmt: Format, tmp_dir: str, num_hosts: int,
                     leaves: Sequence[LeafSpec], shards: Sequence[ShardRecord], data_state: str,
@@ -473,7 +473,7 @@ class StepWriter:
     once every host is done. ``tmp_dir`` must be an uncommitted step directory
     (``*.orbax-checkpoint-tmp``) or lie in one: nothing else is removed.
 
-    A step whose commit began here is aborted only once that commit ended (``Step.abort``),
+    A step whose commit began here is aborted only once that commit ended (``Step.commit_gate``),
     and only if it did not commit it: one committed here (and still held in the RAM tier)
     is left whole, its RAM-tier copy too. Returns where it was committed then ("": it was
     not, and is aborted).
@@ -500,7 +500,7 @@ class StepWriter:
     newer = self._begins.begun(found[1].tmp) if found is not None else None
     if held is not None and newer is not None and newer.at > held.started:
       held = None  # an older save's step (DCP's, committed at the path): this abort's is newer
-    committed = held.abort(wait_s) if held is not None else ""
+    committed = held.commit_gate.abort(wait_s) if held is not None else ""
     if held is not None and committed:
       log.info("abort: step %d was committed at %s before its abort came; nothing removed",
                held.step, committed, extra={"step": held.step})

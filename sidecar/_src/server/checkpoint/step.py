@@ -23,7 +23,7 @@ assigns it. Its :class:`Phase`::
   failed mid-stage): its bytes go back to the arena (as their last views die), its
   replication is cancelled, and a writer still waiting for shards is stopped.
 
-Beside the phase, two things run along with it:
+Beside the phase, three things run along with it:
 
 - **its takeover** (:class:`Takeover`, ``agreement.Agreements``): NONE, then PENDING by
   ``take_over`` once STAGED with its writers' plans (NONE again by ``refuse_takeover`` if
@@ -34,12 +34,7 @@ Beside the phase, two things run along with it:
 - **replication** (``replication.Replicator``): ``start_replication`` once STAGED (once
   per step), its ``copies.Replication`` ending ``succeeded`` or ``failed``, cancelled by
   ``drop`` and ``stop``.
-- **its commit on storage** (``save.StepWriter``: a trainer's Commit, or the sidecars'
-  ``commit_agreed``), serialized with its abort (the trainers' Abort) by the step's lock:
-  ``begin_commit`` (refused, naming the step, once it was aborted), then ``end_commit``
-  (where the commit put it, if it did); ``abort`` refuses every commit from then on and
-  waits for one under way. So an abort never removes files under a commit's renames, and a
-  step committed here is never aborted (the abort is told where it was committed).
+- **its commit on storage and its abort**, one at a time: ``commit_gate.CommitGate``.
 
 A transition from a phase it does not leave raises :class:`StateError` (an internal
 error: a caller's bug, never a client's).
@@ -64,26 +59,21 @@ reason to keep it, ``sidecar drain``'s word), and :meth:`Step.view` reads it::
 ENDED reads as NONE. A dropped step is in no list (the RAM tier holds it no more); what it
 tells the committer is its write's end, kept through the drop (``Step.view``).
 
-Threads: the gRPC handlers (``take``, ``commit``, ``drop``, ``begin_commit``,
-``end_commit``, ``abort``), the committer's thread (``begin_commit``, ``end_commit``), the
-step's writer
-(``arrivals``, ``count_written``, ``end_write``), the agreement's threads
-(``take_over``, ``end_agreement``), the RAM tier's yield and its reaper (``drop``) and the
-replication (``start_replication``, ``staged``). Each step's own ``_lock`` guards its
-phase and its shards; it is a leaf (nothing that takes a lock is called while it is
-held: only the format's numbering of a Stage's shards runs under it), so any other lock,
-the RAM tier's first, may be held around it. The RAM tier takes its own lock around every
-``take`` and ``drop`` (which steps it holds changes with them: ``RamTier.slot``). Waiting
-is on events: ``wait_written``, ``wait_whole``, ``wait_agreed``, and an abort's on the
-end of a commit under way. What is set once at the
-start (its directory, step, paths, format, numbering) is read-only.
+Threads: the gRPC handlers (``take``, ``commit``, ``drop``), the step's writer (``arrivals``,
+``count_written``, ``end_write``), the agreement's threads (``take_over``, ``end_agreement``),
+the RAM tier's yield and its reaper (``drop``) and the replication (``start_replication``,
+``staged``). Each step's ``_lock`` guards its phase and its shards; it is a leaf (nothing that
+takes a lock is called while it is held: only the format's numbering of a Stage's shards runs
+under it), so any other lock, the RAM tier's first, may be held around it. The RAM tier takes
+its own lock around every ``take`` and ``drop`` (which steps it holds changes with them:
+``RamTier.slot``). Waiting is on events: ``wait_written``, ``wait_whole``, ``wait_agreed``. What
+is set once at the start (its directory, step, paths, format, numbering) is read-only.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-import logging
 import queue
 import threading
 import time
@@ -103,9 +93,8 @@ from sidecar._src.ckptfmt.records import (
 )
 from sidecar._src.ckptfmt.spec import LeafSpec
 from sidecar._src.core import errors
+from sidecar._src.server.checkpoint.commit_gate import CommitGate
 from sidecar._src.server.checkpoint.copies import Replication, StepCopy
-
-log = logging.getLogger(__name__)
 
 
 class Phase(enum.Enum):
@@ -282,12 +271,7 @@ class Step(StepCopy):
     self._agreed: threading.Event | None = None
     self._replication: Replication | None = None
     self._manifest: Manifest | None = None  # a DCP step's, told at its commit
-    # Its commit on storage, serialized with its abort: set while none runs.
-    self._commit_ended = threading.Event()
-    self._commit_ended.set()
-    self._committing = False
-    self._aborted = False  # its trainers aborted it: no commit of it begins any more
-    self._committed_to = ""  # where its commit put it on storage, once one did
+    self.commit_gate = CommitGate(step, final_dir)  # its commit and its abort, one at a time
 
   def __repr__(self) -> str:
     return f"Step({self._final_dir!r}, step={self._step}, {self._phase.name})"
@@ -524,60 +508,6 @@ class Step(StepCopy):
     with self._lock:
       if self._phase is not Phase.COMMITTED:
         self._move(Phase.COMMITTED, legal=(Phase.WRITTEN,))
-
-  def begin_commit(self) -> None:
-    """``save.StepWriter``'s, before its commit writes or renames anything: the commit
-    begins (an abort waits for its end from now on; :meth:`end_commit` ends it).
-
-    Raises:
-      ClosedError: its trainers aborted it (:meth:`abort`): it is not committed.
-      PermissionDeniedError: a commit of it is under way, or put it on storage already.
-    """
-    with self._lock:
-      if self._committing or self._committed_to:
-        raise errors.PermissionDeniedError(
-            f"commit: step {self._step} at {self._final_dir!r:.200} is being committed "
-            f"already{f' or was, at {self._committed_to!r:.200}' if self._committed_to else ''}"
-            "; a save is committed once")
-      if self._aborted:
-        raise errors.ClosedError(
-            f"commit: the save of step {self._step} at {self._final_dir!r:.200} was aborted "
-            "by its trainers before its commit began: it is not committed (a restore takes "
-            "the last committed step); save the step again")
-      self._committing = True
-      self._commit_ended.clear()
-
-  def end_commit(self, committed: str = "") -> None:
-    """The end of the commit :meth:`begin_commit` began: ``committed``, where it put the
-    step on storage (it is committed there); "": it did not (it failed, or committed an
-    item that its Orbax CheckpointManager commits)."""
-    with self._lock:
-      if not self._committing:
-        raise StateError(f"step {self._step} at {self._final_dir!r:.200}: no commit of it "
-                         "began")
-      self._committing = False
-      self._committed_to = committed
-    self._commit_ended.set()
-
-  def abort(self, timeout: float) -> str:
-    """``save.StepWriter.abort``'s: no commit of it begins from now on, and one under way
-    is waited for, at most ``timeout`` s. Returns where a commit put it on storage, if one
-    did: it is committed then, and the abort must remove nothing of it; "" if none did.
-
-    Raises:
-      DeadlineExceededError: its commit still runs after ``timeout`` s.
-    """
-    with self._lock:
-      self._aborted = True
-    if not self._commit_ended.is_set():
-      log.info("abort: step %d waits for its commit under way to end", self._step,
-               extra={"step": self._step})
-    if not self._commit_ended.wait(timeout):
-      raise errors.DeadlineExceededError(
-          f"abort: step {self._step} at {self._final_dir!r:.200} is still being committed "
-          f"after {timeout:g} s; abort it again once its commit ended (it then says whether "
-          "the step was committed)")
-    return self._committed_to
 
   def keep_manifest(self, manifest: Manifest) -> None:
     """A DCP step's manifest, kept with its RAM-tier copy (``info`` answers it)."""

@@ -1,5 +1,5 @@
 """Tier 2: a step's Abort and its commit on one sidecar are one at a time (the step's own
-lock: ``Step.begin_commit``, ``Step.abort``). A trainer aborts a step the sidecars took over
+``commit_gate.CommitGate``). A trainer aborts a step the sidecars took over
 while its committer commits it (a process failed after every part was staged): the abort
 waits for the commit's end and is told the step is committed, removing nothing of it; an
 abort that comes first makes the commit refuse the step, by name, never half done.

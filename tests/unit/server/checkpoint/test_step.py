@@ -257,33 +257,3 @@ def _functions_of(t: threading.Thread) -> list[str]:
     names.append(frame.f_code.co_name)
     frame = frame.f_back
   return names
-
-
-def test_an_abort_waits_for_a_commit_under_way_and_is_told_where_it_committed():
-  """Abort and commit of one step are one at a time (``save.StepWriter`` drives both)."""
-  own = make_step(D, 1, FINAL, shard(0))
-  own.begin_commit()
-  with pytest.raises(errors.DeadlineExceededError, match="still being committed after 0 s"):
-    own.abort(0)
-  answer: list[str] = []
-  aborting = threading.Thread(target=lambda: answer.append(own.abort(10)))
-  aborting.start()
-  assert not eventually(lambda: bool(answer), 0.2)  # it waits for the commit's end
-  own.end_commit(f"{D}/1")
-  aborting.join(10)
-  assert answer == [f"{D}/1"]  # committed: the abort removes nothing of it
-  assert own.abort(0) == f"{D}/1"  # and so is any abort after
-  with pytest.raises(errors.PermissionDeniedError, match="is being committed already or was"):
-    own.begin_commit()
-
-
-def test_a_commit_of_an_aborted_step_is_refused_by_name_and_a_failed_one_is_aborted():
-  own = make_step(D, 1, FINAL, shard(0))
-  own.begin_commit()
-  own.end_commit()  # it failed: nothing committed
-  assert own.abort(0) == ""  # aborted, its files go
-  with pytest.raises(errors.ClosedError, match=f"the save of step 1 at '{FINAL}' was aborted "
-                     "by its trainers before its commit began: it is not committed"):
-    own.begin_commit()
-  with pytest.raises(StateError, match="no commit of it began"):
-    own.end_commit()
