@@ -308,8 +308,10 @@ class CheckpointAbortRequest(_message.Message):
     def __init__(self, tmp_dir: _Optional[str] = ..., final_dir: _Optional[str] = ...) -> None: ...
 
 class CheckpointAbortResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("committed",)
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    committed: str
+    def __init__(self, committed: _Optional[str] = ...) -> None: ...
 
 class CheckpointDeleteRequest(_message.Message):
     __slots__ = ("directory", "step")

@@ -253,7 +253,7 @@ class FakeSidecars(CheckpointTransport):
     self.aborted.append((host, tmp_dir))
     self.staged.pop((host, final_dir), None)
     self.records.pop((host, final_dir), None)
-    return self._phase("abort", host)
+    return self._phase("abort", host, "")  # aborted ("": no commit of it here)
 
   def delete(self, host, directory, step):
     future = self._phase("delete", host)

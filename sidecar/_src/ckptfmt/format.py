@@ -204,7 +204,8 @@ class Format(abc.ABC):
              swapping: Callable[[], None]) -> str:
     """Writes ``manifest`` and the format's metadata, checks every host's part is there,
     and commits (with ``whole_step``, the step's rename). Returns the committed directory.
-    ``swapping`` runs between the two renames of an overwrite (a fault point)."""
+    ``swapping`` is a fault point inside the commit, its files in place: between the two
+    renames of an overwrite, or just before the step's one rename."""
 
   # ---- restore ------------------------------------------------------------
 

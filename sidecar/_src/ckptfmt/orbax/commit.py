@@ -17,7 +17,7 @@ import os
 import pathlib
 import shutil
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from sidecar._src.ckptfmt import direct_io
@@ -84,7 +84,8 @@ def write_tmp_metadata(tmp: pathlib.Path, init_timestamp_nsecs: int) -> None:
 
 def finalize(tmp_step_dir: os.PathLike | str, leaves: Sequence[LeafSpec], *,
              num_hosts: int, custom_metadata: Mapping[str, Any] | None = None,
-             manifest: str | None = None) -> pathlib.Path:
+             manifest: str | None = None,
+             renaming: Callable[[], None] | None = None) -> pathlib.Path:
   """Checks the hosts' parts, writes the tree metadata and commits the step.
 
   Run once, after every host's :func:`write_host_part` returned. Checks that every
@@ -98,6 +99,7 @@ def finalize(tmp_step_dir: os.PathLike | str, leaves: Sequence[LeafSpec], *,
       ``StandardSave(custom_metadata=...)`` does.
     manifest: the file name of the manifest written beside it, recorded in ``_METADATA``
       (``files.MANIFEST_KEY``); None: no manifest.
+    renaming: called once every file is in place, just before the rename (a fault point).
 
   Returns:
     The committed step directory.
@@ -115,6 +117,8 @@ def finalize(tmp_step_dir: os.PathLike | str, leaves: Sequence[LeafSpec], *,
   files.write_text(tmp / COMMIT_SUCCESS_FILE, f"Checkpoint commit was successful to {final}")
   # Its entries are durable (finalize_item synced the item's) before the rename.
   direct_io.fsync_dir(tmp)
+  if renaming is not None:
+    renaming()
   if final.exists():
     raise FileExistsError(f"step {final.name} was committed meanwhile at {final}")
   os.rename(tmp, final)

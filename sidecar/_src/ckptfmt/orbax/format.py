@@ -137,7 +137,7 @@ class OrbaxFormat(Format):
     """The manifest, the checks and the metadata files; with ``whole_step`` the step's
     rename (the rename acts on ``tmp_dir``'s parent, the tmp step directory), else the
     item is done and the Orbax CheckpointManager that owns the step commits it."""
-    del extra, swapping  # no overwrite: nothing between two renames
+    del extra  # no overwrite: one rename (``swapping`` runs just before it)
     if whole_step and not pathlib.Path(tmp_dir).parent.name.endswith(TMP_SUFFIX):
       raise errors.InvalidArgumentError(
           f"tmp_dir {tmp_dir!r:.200} is not in an uncommitted step directory (*{TMP_SUFFIX})")
@@ -150,7 +150,7 @@ class OrbaxFormat(Format):
           f"({e.strerror}); stage and prepare a step before committing it") from None
     if whole_step:
       return str(orbax_commit.finalize(pathlib.Path(tmp_dir).parent, leaves, num_hosts=num_hosts,
-                                       manifest=records.MANIFEST_FILE))
+                                       manifest=records.MANIFEST_FILE, renaming=swapping))
     orbax_commit.finalize_item(tmp_dir, leaves, num_hosts=num_hosts,
                                manifest=records.MANIFEST_FILE)
     return tmp_dir

@@ -276,7 +276,9 @@ class CheckpointTransport(abc.ABC):
   @abc.abstractmethod
   def abort(self, host: int, tmp_dir: str, final_dir: str, *, timeout: float
             ) -> concurrent.futures.Future:
-    """Future of None once ``host`` dropped the save and removed ``tmp_dir``."""
+    """Future of "" once ``host`` dropped the save and removed ``tmp_dir``; of where the
+    step is committed, if ``host`` committed it (its commit had begun before the abort
+    came): nothing of it was removed then."""
 
   @abc.abstractmethod
   def delete(self, host: int, directory: str, step: int) -> concurrent.futures.Future:
@@ -425,7 +427,7 @@ class CheckpointClient(CheckpointTransport):
 
   def abort(self, host, tmp_dir, final_dir, *, timeout):
     return self._rpc(host, "Abort", ckpt_pb.CheckpointAbortRequest(
-        tmp_dir=tmp_dir, final_dir=final_dir), lambda r: None, timeout=timeout)
+        tmp_dir=tmp_dir, final_dir=final_dir), lambda r: r.committed, timeout=timeout)
 
   def delete(self, host, directory, step):
     return self._rpc(host, "Delete", ckpt_pb.CheckpointDeleteRequest(

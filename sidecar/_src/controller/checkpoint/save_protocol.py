@@ -196,8 +196,14 @@ class SaveProtocol:
     """
     if not target.tmp_dir:  # never begun: nothing of it on any sidecar
       return
+    futures: dict[int, concurrent.futures.Future] = {}
+
+    def abort_on(h: int) -> concurrent.futures.Future:
+      futures[h] = self.client.abort(h, target.tmp_dir, target.final_dir, timeout=_ABORT_S)
+      return futures[h]
+
     done = on_each(
-        lambda h: self.client.abort(h, target.tmp_dir, target.final_dir, timeout=_ABORT_S),
+        abort_on,
         hosts=hosts, what=f"abort step {target.step}",
         then=(f"step {target.step} was not saved (never committed, so no restore sees it; "
               "restores take the last committed step), and that host's part of it goes "
@@ -206,8 +212,15 @@ class SaveProtocol:
               "save: it was never committed, so the job goes on from the last committed "
               "step (an elastic retry restores that one); the lost host's part is swept at "
               "the directory's next open()"))
+    # A host whose commit of the step had begun (or ended) before the abort came committed
+    # it: the abort left it whole, and says so.
+    committed = {h: futures[h].result() for h in done if futures[h].result()}
+    for h, where in committed.items():
+      log.warning("step %d was committed by host %d's sidecar before the abort reached it "
+                  "(at %s): it is saved, and restores see it; the save's error is raised all "
+                  "the same", target.step, h, where)
     tmp = target.tmp_step
-    if target.whole_step and done and tmp and tmp != target.tmp_dir:
+    if target.whole_step and done and tmp and tmp != target.tmp_dir and not committed:
       # Every host is done with the step: its tmp directory goes.
       on_each(lambda h: self.client.abort(h, tmp, target.final_dir, timeout=_ABORT_S),
               hosts=done, what=f"remove step {target.step}'s tmp files")

@@ -4,7 +4,10 @@
 stage, write, prepared, commit, read: serving a restore's shard of the step), or
 "slow@STEP" pause 2 s before writing ("slow@STEP:PATH": until the file PATH exists, at
 most ``HOLD_S``: a test holds a step not durable while it looks), "slowstage@STEP" (and
-"slowstage@STEP:PATH") the same before a Stage of STEP is taken (a step not staged yet);
+"slowstage@STEP:PATH") the same before a Stage of STEP is taken (a step not staged yet),
+"slowcommit@STEP" (and "...:PATH") before a commit of STEP begins (``StepWriter``: it is
+written and decided, nothing of it renamed), "slowrename@STEP" (and "...:PATH") inside it,
+its files in place and its last rename to come (a test makes an abort meet either);
 "replicate@STEP" kills it as another sidecar's first shards of STEP arrive, once its own
 part of STEP is committed (so the step is durable and its replication half done);
 "enospc@STEP" fails the write with ENOSPC once its first shard is on disk (a full disk),
@@ -26,6 +29,7 @@ from sidecar._src.core import env as env_lib
 log = logging.getLogger(__name__)
 FAULT_ENV = env_lib.CKPT_FAULT
 HOLD_S = 120.0  # the longest "slow@STEP:PATH" waits for PATH
+HOLDS = ("slow", "slowstage", "slowcommit", "slowrename")  # the points that pause, not kill
 
 
 def armed(point: str, step: int) -> bool:
@@ -37,7 +41,9 @@ def fault(point: str, step: int) -> None:
   """Acts out the fault ``point`` if it is set for ``step``; else does nothing."""
   if armed(point, step):
     _, _, path = (env_lib.get(FAULT_ENV) or "").partition(":")
-    if point in ("slow", "slowstage"):
+    if point in HOLDS:
+      log.info("fault injection: holding %s of step %d%s", point, step,
+               f" until {path} exists" if path else "", extra={"step": step})
       _hold(path, HOLD_S if path else 2.0)
       return
     if point in ("enospc", "eio"):

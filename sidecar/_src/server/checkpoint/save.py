@@ -423,7 +423,25 @@ class StepWriter:
   def _commit(self, own: step_lib.Step, fmt: Format, tmp_dir: str, num_hosts: int,
               leaves: Sequence[LeafSpec], shards: Sequence[ShardRecord], data_state: str,
               whole_step: bool, replicas: dict[int, list[int]] | None, extra: Any) -> str:
-    """:meth:`commit` of ``own``, written here, once checked to be the caller's."""
+    """:meth:`commit` of ``own``, written here, once checked to be the caller's: one at a
+    time with its abort (``Step.commit_gate``: refused once it was aborted; an
+    abort waits for its end)."""
+    step = own.step
+    faults.fault("slowcommit", step)
+    own.commit_gate.begin()
+    committed = ""
+    try:
+      committed = self._commit_begun(own, fmt, tmp_dir, num_hosts, leaves, shards, data_state,
+                                     whole_step, replicas, extra)
+      return committed
+    finally:
+      own.commit_gate.end(committed if whole_step else "")  # an item: its manager commits it
+
+  def _commit_begun(self, own: step_lib.Step, fmt: Format, tmp_dir: str, num_hosts: int,
+                    leaves: Sequence[LeafSpec], shards: Sequence[ShardRecord], data_state: str,
+                    whole_step: bool, replicas: dict[int, list[int]] | None, extra: Any
+                    ) -> str:
+    """:meth:`_commit`'s work, its commit begun."""
     step = own.step
     part = own.view().agree
     if part is AgreePhase.FAILED:  # the write's own error, as its prepared and Stages say
@@ -443,17 +461,26 @@ class StepWriter:
     faults.fault("commit", step)
     committed = fmt.commit(tmp_dir, manifest, leaves=leaves, num_hosts=num_hosts,
                            whole_step=whole_step, extra=extra,
-                           swapping=lambda: faults.fault("swap", step))
+                           swapping=lambda: _mid_commit(step))
     if fmt.commit_extra is not None:  # kept in host memory (a DCP step's): info() answers it,
       own.keep_manifest(manifest)    # the trainer tells the other RAM tiers (built once)
     self._begins.ended(pathlib.Path(tmp_dir))
     return committed
 
-  def abort(self, tmp_dir: str, final_dir: str) -> None:
+  def abort(self, tmp_dir: str, final_dir: str, *, wait_s: float = 60.0) -> str:
     """Forgets a step whose save failed; removes ``tmp_dir`` (its uncommitted files) once
     written. The controller calls it again with the whole uncommitted step directory
     once every host is done. ``tmp_dir`` must be an uncommitted step directory
-    (``*.orbax-checkpoint-tmp``) or lie in one: nothing else is removed."""
+    (``*.orbax-checkpoint-tmp``) or lie in one: nothing else is removed.
+
+    A step whose commit began here is aborted only once that commit ended (``Step.commit_gate``),
+    and only if it did not commit it: one committed here (and still held in the RAM tier)
+    is left whole, its RAM-tier copy too. Returns where it was committed then ("": it was
+    not, and is aborted).
+
+    Raises:
+      DeadlineExceededError: its commit still runs after ``wait_s`` s (nothing removed).
+    """
     path = self._path(tmp_dir, "tmp_dir")
     self._path(final_dir, "final_dir")
     root = self._roots.root_of(path)
@@ -469,11 +496,21 @@ class StepWriter:
       raise errors.PermissionDeniedError(
           f"abort: {str(found[1].tmp)!r:.200} was not made by a save (no mark of one in it); "
           "abort removes only what a save made: move it away yourself")
+    held = self._tier.find(final_dir)
+    newer = self._begins.begun(found[1].tmp) if found is not None else None
+    if held is not None and newer is not None and newer.at > held.started:
+      held = None  # an older save's step (DCP's, committed at the path): this abort's is newer
+    committed = held.commit_gate.abort(wait_s) if held is not None else ""
+    if held is not None and committed:
+      log.info("abort: step %d was committed at %s before its abort came; nothing removed",
+               held.step, committed, extra={"step": held.step})
+      return committed
     own = self._tier.remove_item(final_dir)
     if own is not None:  # its writer stops before its directory goes
       own.wait_written(60)
     self._begins.ended(pathlib.Path(path))
     _remove_dir(pathlib.Path(path))
+    return ""
 
   def delete(self, directory: str, step: int) -> None:
     """Removes a committed step (max_to_keep); the sidecar does the I/O.
@@ -512,6 +549,13 @@ def _same_save(own: step_lib.Step, tmp_dir: str, owner: str) -> bool:
   failed = own.finished
   return (len(own.owners) < own.writers and failed is not None
           and time.monotonic() - failed < write_lib.STAGE_TIMEOUT_S)
+
+
+def _mid_commit(step: int) -> None:
+  """The fault points inside a commit of ``step``, its files in place and its last rename
+  to come (``Format.commit``'s ``swapping``)."""
+  faults.fault("swap", step)
+  faults.fault("slowrename", step)
 
 
 def _check_extra(extra: Any, expected: type | None, what: str) -> None:

@@ -396,12 +396,15 @@ class CheckpointService:
     return ckpt_pb.CheckpointCommittedResponse(
         kept_steps=self._checkpoints.committed(r.final_dir, manifest))
 
-  def abort(self, r: ckpt_pb.CheckpointAbortRequest, _: grpc.ServicerContext
+  def abort(self, r: ckpt_pb.CheckpointAbortRequest, context: grpc.ServicerContext
             ) -> ckpt_pb.CheckpointAbortResponse:
+    """Drops a failed save; a step whose commit began here is aborted once that commit
+    ended, and only if it did not commit it (``committed`` then says where it did)."""
     self._checkpoints.resolve(r.final_dir, "final_dir")
     self._checkpoints.agreements.abort(r.final_dir)  # the RAM tier's key, as staged
-    self._checkpoints.writer.abort(r.tmp_dir, r.final_dir)
-    return ckpt_pb.CheckpointAbortResponse()
+    committed = self._checkpoints.writer.abort(r.tmp_dir, r.final_dir,
+                                               wait_s=_timeout(0, context))
+    return ckpt_pb.CheckpointAbortResponse(committed=committed)
 
   def delete(self, r: ckpt_pb.CheckpointDeleteRequest, _: grpc.ServicerContext
              ) -> ckpt_pb.CheckpointDeleteResponse:

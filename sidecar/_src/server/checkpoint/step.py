@@ -25,7 +25,7 @@ assigns it. Its :class:`Phase`::
   stopped. ``let_go`` (``write.write_step``: a write failed mid-stage, its trainers there
   or not known) lets its bytes go and keeps it FAILED, its error told to their next part.
 
-Beside the phase, two things run along with it:
+Beside the phase, three things run along with it:
 
 - **its takeover** (:class:`Takeover`, ``agreement.Agreements``): NONE, then PENDING by
   ``take_over`` once STAGED with its writers' plans (NONE again by ``refuse_takeover`` if
@@ -36,6 +36,7 @@ Beside the phase, two things run along with it:
 - **replication** (``replication.Replicator``): ``start_replication`` once STAGED (once
   per step), its ``copies.Replication`` ending ``succeeded`` or ``failed``, cancelled by
   ``drop`` and ``stop``.
+- **its commit on storage and its abort**, one at a time: ``commit_gate.CommitGate``.
 
 A transition from a phase it does not leave raises :class:`StateError` (an internal
 error: a caller's bug, never a client's).
@@ -60,16 +61,15 @@ reason to keep it, ``sidecar drain``'s word), and :meth:`Step.view` reads it::
 ENDED reads as NONE. A dropped step is in no list (the RAM tier holds it no more); what it
 tells the committer is its write's end, kept through the drop (``Step.view``).
 
-Threads: the gRPC handlers (``take``, ``commit``, ``drop``), the step's writer
-(``arrivals``, ``count_written``, ``end_write``), the agreement's threads
-(``take_over``, ``end_agreement``), the RAM tier's yield and its reaper (``drop``) and the
-replication (``start_replication``, ``staged``). Each step's own ``_lock`` guards its
-phase and its shards; it is a leaf (nothing that takes a lock is called while it is
-held: only the format's numbering of a Stage's shards runs under it), so any other lock,
-the RAM tier's first, may be held around it. The RAM tier takes its own lock around every
-``take`` and ``drop`` (which steps it holds changes with them: ``RamTier.slot``). Waiting
-is on events: ``wait_written``, ``wait_whole``, ``wait_agreed``. What is set once at the
-start (its directory, step, paths, format, numbering) is read-only.
+Threads: the gRPC handlers (``take``, ``commit``, ``drop``), the step's writer (``arrivals``,
+``count_written``, ``end_write``), the agreement's threads (``take_over``, ``end_agreement``),
+the RAM tier's yield and its reaper (``drop``) and the replication (``start_replication``,
+``staged``). Each step's ``_lock`` guards its phase and its shards; it is a leaf (nothing that
+takes a lock is called while it is held: only the format's numbering of a Stage's shards runs
+under it), so any other lock, the RAM tier's first, may be held around it. The RAM tier takes
+its own lock around every ``take`` and ``drop`` (which steps it holds changes with them:
+``RamTier.slot``). Waiting is on events: ``wait_written``, ``wait_whole``, ``wait_agreed``. What
+is set once at the start (its directory, step, paths, format, numbering) is read-only.
 """
 
 from __future__ import annotations
@@ -95,6 +95,7 @@ from sidecar._src.ckptfmt.records import (
 )
 from sidecar._src.ckptfmt.spec import LeafSpec
 from sidecar._src.core import errors
+from sidecar._src.server.checkpoint.commit_gate import CommitGate
 from sidecar._src.server.checkpoint.copies import Replication, StepCopy
 
 
@@ -272,6 +273,7 @@ class Step(StepCopy):
     self._agreed: threading.Event | None = None
     self._replication: Replication | None = None
     self._manifest: Manifest | None = None  # a DCP step's, told at its commit
+    self.commit_gate = CommitGate(step, final_dir)  # its commit and its abort, one at a time
 
   def __repr__(self) -> str:
     return f"Step({self._final_dir!r}, step={self._step}, {self._phase.name})"

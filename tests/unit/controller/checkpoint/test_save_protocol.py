@@ -48,6 +48,7 @@ class Recording(FakeSidecars):
   def __init__(self, hosts):
     super().__init__(hosts)
     self.sent: list[tuple] = []
+    self.committed_at: dict[int, str] = {}  # hosts whose commit an abort met, and where
 
   def stage(self, host, stage):
     self.sent.append(("stage", host, len(stage.shards), stage.last, stage.writers,
@@ -56,7 +57,7 @@ class Recording(FakeSidecars):
 
   def abort(self, host, tmp_dir, final_dir, *, timeout):
     self.sent.append(("abort", host, tmp_dir))
-    return self._phase("abort", host)
+    return self._phase("abort", host, self.committed_at.get(host, ""))
 
   def committed(self, host, final_dir, manifest_json=""):
     self.sent.append(("committed", host, manifest_json))
@@ -174,6 +175,21 @@ def test_late_copies_of_every_save_go_in_turn_on_the_one_stager_thread_kept_betw
   assert first.last and int(first.shards[0].data[0]) == 1
   assert isinstance(failed, RuntimeError)  # that save fails; the next still copies
   assert third.last and int(third.shards[0].data[0]) == 3
+
+
+def test_an_abort_a_host_answers_committed_says_the_step_is_saved_and_removes_nothing(caplog):
+  """A host whose commit of the step had begun when the abort came committed it: the
+  abort waited and was told so; the step's directory is no tmp one any more."""
+  fake = Recording([0, 1])
+  fake.committed_at[0] = "/ckpt/3"
+  SaveProtocol(client=fake, directory="/ckpt", format=ORBAX).abort(begun(3), [0, 1])
+  item = "/ckpt/3.orbax-checkpoint-tmp/default"
+  assert fake.sent == [("abort", 0, item), ("abort", 1, item)]
+  (record,) = [r for r in caplog.records if "step 3" in r.getMessage()]
+  assert record.levelname == "WARNING"
+  assert record.getMessage() == (
+      "step 3 was committed by host 0's sidecar before the abort reached it (at /ckpt/3): "
+      "it is saved, and restores see it; the save's error is raised all the same")
 
 
 def test_an_abort_a_lost_host_misses_says_calmly_what_happens_next(caplog):

@@ -28,6 +28,7 @@ from sidecar._src.server.checkpoint import (
 )
 from tests.conftest import eventually
 from tests.support import races
+from tests.support.ram_steps import AsStaged
 from tests.support.staged import staged
 
 pytestmark = pytest.mark.unit
@@ -565,3 +566,23 @@ def test_tensorstores_full_disk_is_a_checkpoint_write_error_naming_the_file(make
   assert (e.value.errno, e.value.path, e.value.host_id) == (errno.ENOSPC, path, 0)
   assert "/proc/self/fd" not in str(e.value) and f"(ENOSPC) writing {path}" in str(e.value)
   writer.abort(os.path.dirname(tmp_dir), final)
+
+
+def test_an_abort_of_a_dcp_save_again_at_a_committed_path_is_that_saves(make_writer, tmp_path):
+  """DCP's commit replaces a checkpoint at its path: the RAM tier may still hold the step a
+  commit here put there when a new save of the path begins. That save's abort aborts it
+  (its directory goes), never answers with the older save's commit."""
+  writer, tier = make_writer(Recording())
+  directory, path = str(tmp_path / "ck"), str(tmp_path / "ck" / "ckpt")
+  writer.open(directory)
+  older = step_lib.Step(directory, 1, path, tmp_dir=f"{path}.dcp-checkpoint-tmp",
+                        format="dcp", numbering=AsStaged())
+  older.take("a", None, [], last=True, writers=1)
+  older.end_write([])
+  older.commit_gate.begin()
+  older.commit_gate.end(path)  # committed here at `path`, and still held
+  tier.add(older)
+  tier.mark_committed(path)
+  tmp = writer.begin(Begin(path, 1, "dcp"), owner="a")  # the new save of the path
+  assert writer.abort(tmp, path) == ""
+  assert not os.path.exists(tmp)
