@@ -60,3 +60,10 @@ def _hold(path: str, most_s: float) -> None:
   deadline = time.monotonic() + most_s
   while time.monotonic() < deadline and not (path and os.path.exists(path)):
     time.sleep(0.05)
+
+
+def mid_commit(step: int) -> None:
+  """The fault points inside a commit of ``step``, its files in place and its last rename
+  to come (``Format.commit``'s ``swapping``)."""
+  fault("swap", step)
+  fault("slowrename", step)

@@ -424,44 +424,35 @@ class StepWriter:
               leaves: Sequence[LeafSpec], shards: Sequence[ShardRecord], data_state: str,
               whole_step: bool, replicas: dict[int, list[int]] | None, extra: Any) -> str:
     """:meth:`commit` of ``own``, written here, once checked to be the caller's: one at a
-    time with its abort (``Step.commit_gate``: refused once it was aborted; an
-    abort waits for its end)."""
+    time with its abort (``Step.commit_gate``: refused once it was aborted; an abort waits
+    for its end)."""
     step = own.step
     faults.fault("slowcommit", step)
     own.commit_gate.begin()
     committed = ""
     try:
-      committed = self._commit_begun(own, fmt, tmp_dir, num_hosts, leaves, shards, data_state,
-                                     whole_step, replicas, extra)
-      return committed
+      part = own.view().agree
+      if part is AgreePhase.FAILED:  # the write's own error, as its prepared and Stages say
+        assert own.error is not None
+        raise write_lib.write_failure(self._host_id, step, own.final_dir, own.error,
+                                      tmp_dir=own.tmp_dir)
+      if part is AgreePhase.TAKEN_OVER:  # a save commits after its prepared: another's
+        raise errors.InvalidArgumentError(
+            f"commit: step {step} at {tmp_dir!r:.200} is still being written on host "
+            f"{self._host_id}: another save of step {step} into this directory is in flight "
+            "(another checkpointer or process); wait for that save to end, or save each "
+            "step from one checkpointer")
+      _check_extra(extra, fmt.commit_extra,
+                   f"commit: a step in {fmt.name}'s layout commits with")
+      manifest = Manifest.of_save(fmt.name, step=step, leaves=leaves,
+                                  shards=shards, data_state_json=data_state,
+                                  replicas=replicas, extras=fmt.manifest_extras(extra))
+      faults.fault("commit", step)
+      committed = fmt.commit(tmp_dir, manifest, leaves=leaves, num_hosts=num_hosts,
+                             whole_step=whole_step, extra=extra,
+                             swapping=lambda: faults.mid_commit(step))
     finally:
       own.commit_gate.end(committed if whole_step else "")  # an item: its manager commits it
-
-  def _commit_begun(self, own: step_lib.Step, fmt: Format, tmp_dir: str, num_hosts: int,
-                    leaves: Sequence[LeafSpec], shards: Sequence[ShardRecord], data_state: str,
-                    whole_step: bool, replicas: dict[int, list[int]] | None, extra: Any
-                    ) -> str:
-    """:meth:`_commit`'s work, its commit begun."""
-    step = own.step
-    part = own.view().agree
-    if part is AgreePhase.FAILED:  # the write's own error, as its prepared and Stages say
-      assert own.error is not None
-      raise write_lib.write_failure(self._host_id, step, own.final_dir, own.error,
-                                    tmp_dir=own.tmp_dir)
-    if part is AgreePhase.TAKEN_OVER:  # a save commits after its prepared: another's
-      raise errors.InvalidArgumentError(
-          f"commit: step {step} at {tmp_dir!r:.200} is still being written on host "
-          f"{self._host_id}: another save of step {step} into this directory is in flight "
-          "(another checkpointer or process); wait for that save to end, or save each step "
-          "from one checkpointer")
-    _check_extra(extra, fmt.commit_extra, f"commit: a step in {fmt.name}'s layout commits with")
-    manifest = Manifest.of_save(fmt.name, step=step, leaves=leaves,
-                                shards=shards, data_state_json=data_state,
-                                replicas=replicas, extras=fmt.manifest_extras(extra))
-    faults.fault("commit", step)
-    committed = fmt.commit(tmp_dir, manifest, leaves=leaves, num_hosts=num_hosts,
-                           whole_step=whole_step, extra=extra,
-                           swapping=lambda: _mid_commit(step))
     if fmt.commit_extra is not None:  # kept in host memory (a DCP step's): info() answers it,
       own.keep_manifest(manifest)    # the trainer tells the other RAM tiers (built once)
     self._begins.ended(pathlib.Path(tmp_dir))
@@ -549,13 +540,6 @@ def _same_save(own: step_lib.Step, tmp_dir: str, owner: str) -> bool:
   failed = own.finished
   return (len(own.owners) < own.writers and failed is not None
           and time.monotonic() - failed < write_lib.STAGE_TIMEOUT_S)
-
-
-def _mid_commit(step: int) -> None:
-  """The fault points inside a commit of ``step``, its files in place and its last rename
-  to come (``Format.commit``'s ``swapping``)."""
-  faults.fault("swap", step)
-  faults.fault("slowrename", step)
 
 
 def _check_extra(extra: Any, expected: type | None, what: str) -> None:

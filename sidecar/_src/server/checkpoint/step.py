@@ -22,8 +22,7 @@ assigns it. Its :class:`Phase`::
 - ``drop`` (``ram_tier.RamTier``: evicted, expired, aborted, abandoned, replaced, a write
   failed mid-stage with its trainers gone): its bytes go back to the arena (as their last
   views die), its replication is cancelled, and a writer still waiting for shards is
-  stopped. ``let_go`` (``write.write_step``: a write failed mid-stage, its trainers there
-  or not known) lets its bytes go and keeps it FAILED, its error told to their next part.
+  stopped. ``let_go`` (``write.write_step``): the same bytes go, the step kept FAILED.
 
 Beside the phase, three things run along with it:
 
@@ -536,9 +535,8 @@ class Step(StepCopy):
     self._whole_event.set()
 
   def let_go(self) -> None:
-    """The writer's, for a step that FAILED before it was whole and stays in the tier for
-    its trainers (there, or not known) to learn why: its bytes go back to the arena now (as
-    their last views die), not at an abort that may never come (it expires, uncommitted)."""
+    """The writer's, for a step that FAILED before it was whole, kept for its trainers to
+    learn why: its bytes go back now, not at an abort that may never come (it expires)."""
     with self._lock:
       if self._phase is not Phase.FAILED:
         raise StateError(f"step {self._step} at {self._final_dir!r:.200} is "
