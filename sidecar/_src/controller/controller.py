@@ -161,8 +161,9 @@ class Controller:
     step before it counts this trainer as stalled (``sidecar launch --stall-timeout``;
     docs/elastic.md). Its start and end count as steps; its length never counts as the
     slowest step. With ``until_step``, it ends at the next completed step (the second
-    batch this process's thread takes from a feed after it began), or at the block's end
-    if that comes first: a block that restores, re-meshes and then trains, whose first
+    batch this process's thread takes from a feed after it began, or the second save that
+    returns after it began: a trainer with no feed of ours), or at the block's end if that
+    comes first: a block that restores, re-meshes and then trains, whose first
     step recompiles (``sidecar.elastic.retry`` runs each attempt so).
 
     Example::
@@ -503,7 +504,7 @@ class Controller:
     self._check_open()
     one = not self.multiprocess  # N processes: each one's view of a loss may differ
     return self._snapshots.snapshot(
-        client, goodput=self._goodput,
+        client, goodput=self._goodput, saved=self._startup.saved,
         now=functools.partial(self._snapshot, client) if one else None)
 
   @interrupts.deferring

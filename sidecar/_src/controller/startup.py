@@ -8,7 +8,10 @@ batches the trainer's own thread takes (``Feed.__next__``'s return) and, at the 
 (``Worker.tell``): one frame per sidecar, once per Controller. A long phase later
 (``Controller.phase``) is told the same way; one that lasts until the next completed step
 (:meth:`Startup.until_step`: an elastic attempt's restore and recompile) ends at the second
-batch taken after it began, as the startup does.
+batch taken after it began, as the startup does, or at the second save returned after it
+began (:meth:`Startup.saved`): a trainer that takes no batch from our feeds (its own
+loader) has its saves as its only steps, which its sidecar sees (the goodput ledger's save
+events: ``server/goodput/steps.py``), the first of which may precede a recompile.
 """
 
 from __future__ import annotations
@@ -40,20 +43,30 @@ class Startup:
   def __init__(self, workers: Callable[[], Iterable[Told]],
                then: Callable[[float, float], None] | None = None):
     self._workers, self._then = workers, then
-    self.batches = 0
-    self._ends: dict[str, int] = {}  # phases until a step: name -> the batch count they end at
+    self.batches = self.saves = 0
+    # Phases until a step: name -> the batch count and the save count they end at.
+    self._ends: dict[str, tuple[int, int]] = {}
 
   def batch(self, blocked_s: float, now: float) -> None:
     """A batch was taken in the trainer's thread (``Feed``'s ``on_batch``)."""
     self.batches += 1
     if self.batches == 2:
       tell(self._workers(), stall.Phase(stall.STARTUP))
-    if self._ends:
-      for name in [n for n, at in self._ends.items() if at == self.batches]:
-        del self._ends[name]
-        tell(self._workers(), stall.Phase(name))
+    self._end_stepped()
     if self._then is not None:
       self._then(blocked_s, now)
+
+  def saved(self) -> None:
+    """A ``save()`` returned that saved (not skipped), in the trainer's thread."""
+    self.saves += 1
+    self._end_stepped()
+
+  def _end_stepped(self) -> None:
+    """Ends the phases until a step whose step came (their second batch or save)."""
+    for name in [n for n, (batches, saves) in self._ends.items()
+                 if self.batches >= batches or self.saves >= saves]:
+      if self._ends.pop(name, None) is not None:  # once, where a save's thread races
+        tell(self._workers(), stall.Phase(name))
 
   @contextlib.contextmanager
   def phase(self, name: str, budget_s: float, *, until_step: bool = False
@@ -73,12 +86,13 @@ class Startup:
   @contextlib.contextmanager
   def until_step(self, name: str, budget_s: float) -> Iterator[None]:
     """Phase ``name`` with ``budget_s`` seconds without a step, until the next completed
-    step (the second batch the trainer's thread takes from now: the first is taken before
-    a recompile) or the block's end, whichever comes first. Entered and left in the
-    trainer's thread, as :meth:`batch` is called."""
+    step (the second batch the trainer's thread takes from now, the first being taken
+    before a recompile; or the second save returned from now, for a trainer with no feed
+    of ours) or the block's end, whichever comes first. Entered and left in the trainer's
+    thread, as :meth:`batch` and :meth:`saved` are called."""
     begins = _checked(name, budget_s)
     tell(self._workers(), begins)
-    self._ends[name] = self.batches + 2
+    self._ends[name] = (self.batches + 2, self.saves + 2)
     try:
       yield
     finally:

@@ -21,7 +21,8 @@ for, its exit) until its session ends.
 An attempt of ``sidecar.elastic.retry`` starts as a trainer does (a restore on the hosts
 left, a new mesh, its first step's recompile): each attempt is the phase :data:`ATTEMPT`
 with a budget of :data:`ATTEMPT_BUDGET_S` until its first completed step (its feed's second
-batch; a trainer with no feed of ours, the attempt's end). Its first startup is never
+batch; a trainer with no feed of ours, its second save returned in the attempt: its saves are
+its only steps, and a first one may precede the recompile). Its first startup is never
 timed; an attempt's is, but with an hour, so that a compile at scale (minutes to tens of
 minutes) is never a stall and a restore that hangs is still found.
 """

@@ -17,6 +17,9 @@ once it has killed a stalled trainer, :meth:`Watchdog.check` tells every sidecar
 job (the Stalled RPC, :meth:`Watchdog.report`) that the trainers of that start die of
 that stall, its last step the time the launcher verified; the sidecar keeping the ledger
 marks process 0's life, which the kill that follows ends (``server/goodput/ledgers.py``).
+``sidecar slurm``'s trainer task does the same for its one trainer (:func:`watch_one`):
+its own sidecar watches it, and every sidecar of the job (the entries in its rendezvous
+directory) hears of the stall it killed.
 
 **Only processes the launcher started are signalled.** The pid a sidecar lists is what
 its session said; it is signalled only where ``/proc`` shows it in the process group of
@@ -246,16 +249,18 @@ class Watchdog:
     self.report(found, since_s=found.since_s + time.monotonic() - began)
     return found
 
-  def report(self, stall: Stall, *, since_s: float) -> None:
-    """Tells every sidecar that ``stall``'s trainer, its last step ``since_s`` ago, was
-    killed stalled: the ledger of its start's life, process 0's, records its death as
-    the stall's (the Stalled RPC). A sidecar that does not answer is said, once each."""
+  def report(self, stall: Stall, *, since_s: float,
+             to: Callable[[], Mapping[int, str]] | None = None) -> None:
+    """Tells every sidecar (those this watchdog polls, or ``to``'s) that ``stall``'s
+    trainer, its last step ``since_s`` ago, was killed stalled: the ledger of its start's
+    life, process 0's, records its death as the stall's (the Stalled RPC). A sidecar that
+    does not answer is said, once each."""
     from sidecar._src.controller import connection  # gRPC, as refresh()
     from sidecar._src.wire import protocol
     from sidecar._src.wire.protocol import pb
     request = pb.StalledRequest(rank=stall.rank, restart=stall.restart, since_step_s=since_s)
     meta = ((protocol.AUTH_KEY, f"Bearer {self._token}"),) if self._token else ()
-    for host, address in dict(self._addresses()).items():
+    for host, address in dict((to or self._addresses)()).items():
       try:
         channel, pin = connection.open_channel(
             address, timeout=STATUS_TIMEOUT_S, options=connection.CHANNEL_OPTIONS,
@@ -425,13 +430,18 @@ def _unsignalled(t: pb.TrainerStatus, got: pb.StatusResponse, here: tuple[str, s
   return None
 
 
-def watch_one(proc: subprocess.Popen, address: str, *, token: str | None, rank: int,
-              restart: int, say: Callable[[str], None], poll_s: float = POLL_S) -> int:
+def watch_one(proc: subprocess.Popen, host: int, addresses: Callable[[], Mapping[int, str]],
+              *, token: str | None, rank: int, restart: int, say: Callable[[str], None],
+              poll_s: float = POLL_S) -> int:
   """Waits for ``proc`` (the trainer of rank ``rank``, start ``restart``) to exit while
-  watching its sidecar at ``address`` for its stall (``sidecar slurm``'s trainer task):
-  on one, its stacks and the kill, as :meth:`Watchdog.kill`, and :data:`stall.EXIT_CODE`;
-  else its return code (-N for signal N, as ``Popen.returncode``)."""
-  dog = Watchdog(lambda: {0: address}, token=token, say=say, poll_s=poll_s)
+  watching its sidecar, host ``host`` of ``addresses`` (host -> gRPC address, every
+  sidecar of the job, read when needed), for its stall (``sidecar slurm``'s trainer
+  task): on one, its stacks and the kill, as :meth:`Watchdog.kill`, every sidecar told
+  (:meth:`Watchdog.report`: process 0's ledger counts the stall, not a crash), and
+  :data:`stall.EXIT_CODE`; else its return code (-N for signal N, as
+  ``Popen.returncode``)."""
+  dog = Watchdog(lambda: {h: a for h, a in addresses().items() if h == host}, token=token,
+                 say=say, poll_s=poll_s)
   while True:
     try:
       return proc.wait(timeout=poll_s)
@@ -439,8 +449,12 @@ def watch_one(proc: subprocess.Popen, address: str, *, token: str | None, rank: 
       pass
     dog.refresh()
     found = dog.stalled({rank: proc.pid}, restart)
-    if found is not None and dog.kill(found, proc.pid):  # it leads its own process group
+    if found is None:
+      continue
+    began = time.monotonic()
+    if dog.kill(found, proc.pid):  # it leads its own process group
       proc.wait()
+      dog.report(found, since_s=found.since_s + time.monotonic() - began, to=addresses)
       return stall.EXIT_CODE
 
 

@@ -9,6 +9,7 @@ import sidecar
 from sidecar._src.controller import startup, status as status_lib
 from sidecar._src.core import stall
 from sidecar._src.wire import ipc
+from tests.conftest import eventually
 
 pytestmark = pytest.mark.server
 FLOOR_S = 30.0
@@ -136,4 +137,54 @@ def test_a_phase_until_a_step_ends_once_at_the_second_batch_or_at_its_end():
   told.phases.clear()
   with s.until_step("retry", 60):
     s.batch(0.0, 4.0)  # no step completed: it ends with the block
+  assert told.phases == [stall.Phase("retry", 60), stall.Phase("retry")]
+
+
+def test_an_attempt_with_no_feed_of_ours_ends_its_phase_at_its_second_save(make_server,
+                                                                           tmp_path):
+  """Issue 69: a trainer that takes no batch from our feeds (its own loader) has its saves
+  as its only steps. Its elastic attempt's phase ended only with the attempt, so a second
+  attempt that hung after saving had an hour to be found; it ends at the attempt's second
+  save, as a startup does (core/stall.py), and the hang is found by the floor."""
+  floor = 1.0
+  server = make_server(stall_timeout_s=floor)
+  seen: list[float] = []  # the trainer's stall timeout after each save, as Status lists it
+
+  with sidecar.jax.Controller([server.address]) as ctl:
+    ckpt = ctl.checkpointer(str(tmp_path / "ckpt"), max_to_keep=2)
+
+    @sidecar.elastic.retry(ctl, grow=True)
+    def train(hosts):
+      first = ckpt.latest_step() or 0
+      if first:  # the second attempt restores, as after a loss
+        ckpt.restore(first, target={"w": np.zeros(4, np.float32)})
+      for step in (first + 1, first + 2):
+        ckpt.save(step, {"w": np.full(4, step, np.float32)}).durable.result()
+        ctl.worker(0).check_alive()  # a request after the frames: they were handled
+        seen.append(_trainer(server.address).stall_timeout_s)
+      if not first:
+        raise sidecar.elastic.Regrow(1, [])  # a second attempt
+      assert seen[-1] < stall.ATTEMPT_BUDGET_S, seen  # its phase ended at its second save
+      # It hangs here (a collective that never returns): found by the floor, not the hour.
+      assert eventually(lambda: _trainer(server.address).stalled, timeout=60)
+      return hosts
+
+    assert train() == [0]
+    ckpt.close()
+  budget = stall.ATTEMPT_BUDGET_S
+  assert seen[0] == budget and seen[2] == budget, seen  # its first save: its phase lasts
+  assert seen[1] < budget and seen[3] < budget, seen  # its second: the rule's own timeout
+
+
+def test_a_phase_until_a_step_ends_once_at_the_second_save():
+  """A trainer with no feed of ours: its saves are its steps; a first one may precede a
+  recompile."""
+  told = Told()
+  s = startup.Startup(lambda: [told])
+  with s.until_step("retry", 60):
+    s.saved()
+    s.batch(0.0, 1.0)  # one of each is no step
+    assert told.phases == [stall.Phase("retry", 60)]
+    s.saved()
+    s.saved()
   assert told.phases == [stall.Phase("retry", 60), stall.Phase("retry")]

@@ -124,6 +124,7 @@ class Checkpointer:
     self._claims = holds.StepClaims(self.directory)  # the steps it is saving now
     self._closed = False
     self._goodput = site.goodput  # told how long save() and restore() block
+    self._saved = site.saved  # the stall rule's (controller/startup.py)
     if self._goodput is not None:  # the first checkpointer's directory is the job's
       self._goodput.bind(self.directory)
 
@@ -210,10 +211,12 @@ class Checkpointer:
         release(None)
         raise
       handle.durable.add_done_callback(release)
+    skipped = handle.staged.done() and handle.staged.exception() is None \
+        and handle.staged.result() is None
     if self._goodput is not None:
-      skipped = handle.staged.done() and handle.staged.exception() is None \
-          and handle.staged.result() is None
       self._goodput.saved(None if skipped else step, time.perf_counter() - t0)
+    if self._saved is not None and not skipped:  # a step of a trainer with no feed of ours
+      self._saved()
     return handle
 
   def _save(self, step: int, tree: Any, data_state: dict[str, Any] | None) -> SaveHandle:

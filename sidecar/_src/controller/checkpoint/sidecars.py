@@ -40,6 +40,8 @@ class SidecarsSnapshot:
       writer is made for each save: its warning once, not at every save).
     goodput: the controller's goodput ledger client (process 0's), told of each save and
       restore; the first checkpointer binds it to its directory. None: none records.
+    saved: called after each ``save()`` that saved (not skipped): the controller's stall
+      rule (``controller/startup.py``: a save is a step of a trainer with no feed of ours).
     live: the controller's live hosts now (cheap: no rpc); ``now``: its sidecars now, a
       snapshot with this one's client. A checkpointer compares ``live()`` with ``hosts``
       at each save and restore, and takes ``now()`` where they differ (a host lost, or
@@ -55,6 +57,7 @@ class SidecarsSnapshot:
   writers: Mapping[int, Sequence[int]]
   warned: set[tuple[int, int]] = dataclasses.field(default_factory=set)
   goodput: LedgerClient | None = None
+  saved: Callable[[], None] | None = None
   live: Callable[[], tuple[int, ...]] | None = None
   now: Callable[[], SidecarsSnapshot] | None = None
 
@@ -91,7 +94,8 @@ class Snapshots:
                             timeout=timeout)
 
   def snapshot(self, client: CheckpointTransport, *, goodput: LedgerClient | None,
-               now: Callable[[], SidecarsSnapshot] | None) -> SidecarsSnapshot:
+               now: Callable[[], SidecarsSnapshot] | None,
+               saved: Callable[[], None] | None = None) -> SidecarsSnapshot:
     """The sidecars now, through ``client``; with ``now`` (a single controller's: how to
     take the next), one that follows the live hosts (``SidecarsSnapshot.live``)."""
     sidecars = self._sidecars
@@ -100,7 +104,7 @@ class Snapshots:
         device_hosts=dict(sidecars.device_hosts), handshakes=sidecars.handshakes(),
         mapped=frozenset(h for h in sidecars.workers if h not in sidecars.lost),
         writers=dict(sidecars.writers), warned=self._replica_warnings, goodput=goodput,
-        live=self.live if now is not None else None, now=now)
+        saved=saved, live=self.live if now is not None else None, now=now)
 
   def live(self) -> tuple[int, ...]:
     """The live hosts' ids, ascending (no rpc)."""

@@ -10,12 +10,12 @@ event (the process died: a signal, an exception, an exit that skipped
 ``Controller.close()``), the sidecar appends ``died`` at that moment.
 
 A life dies stalled where its own process was stalled at its end (``steps.py``), or where
-``sidecar launch`` said another trainer of the same start stalled and was killed
-(:meth:`Ledgers.stalled`: the Stalled RPC, ``tools/watchdog.py``): process 0 is often not
-stalled yet when rank k's stall is found, and rank k's sidecar keeps no book. A report
-marks the book only; it counts where the life then dies without a finish and without
-another step (a first step, a save, more batches taken), and its stall starts no earlier
-than the session attached.
+``sidecar launch`` (or ``sidecar slurm``'s trainer task) said another trainer of the same
+start stalled and was killed (:meth:`Ledgers.stalled`: the Stalled RPC,
+``tools/watchdog.py``): process 0 is often not stalled yet when rank k's stall is found,
+and rank k's sidecar keeps no book. A report marks the book only; it counts where the life
+then dies without a finish and without another step (a first step, a save, more batches
+taken), and its stall starts no earlier than the session attached.
 
 What a frame may do is bounded, whoever sends it (docs/goodput.md, "The bound"):
 

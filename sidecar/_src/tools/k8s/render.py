@@ -327,7 +327,8 @@ def _trainer(options: RenderOptions) -> dict[str, Any]:
           {"name": "SIDECAR_STACKS_SIGNAL", "value": "SIGUSR2"},
       ],
       # Stalled (no step for the sidecar's SIDECAR_STALL_TIMEOUT, docs/elastic.md): its
-      # stacks to the log, then the kubelet restarts it in place, as a crash.
+      # stacks to the log, then the kubelet restarts it in place, as a crash (its sidecar
+      # records a stall in the ledger only where it is process 0: docs/elastic.md).
       "livenessProbe": stall_probe(options.port),
       "securityContext": dict(_RESTRICTED),
       "volumeMounts": _mounts(),

@@ -303,20 +303,26 @@ def run_trainer(directory: str, step: int, command: Sequence[str]) -> int:
     print(f"sidecar slurm: cannot run {command[0]!r}: {e}", file=sys.stderr, flush=True)
     return 127 if isinstance(e, FileNotFoundError) else 126
   with _forward_signals(proc):
-    mine = [e for e in rendezvous.read_hosts(directory)
-            if e.host_id == int(extra[env_lib.HOST_ID])]
-    if not mine:  # gone meanwhile: nothing to watch with
+    host = int(extra[env_lib.HOST_ID])
+    if host not in _addresses(directory):  # gone meanwhile: nothing to watch with
       code = proc.wait()
     else:
-      address = mine[0].hosts_entry.rsplit(":", 1)[0]  # HOST:PORT, its gRPC port
       say = lambda text: print(f"sidecar slurm: {text}", file=sys.stderr, flush=True)
-      code = watchdog.watch_one(proc, address,
+      # Its own sidecar watches it; every sidecar of the job hears of its stall (process
+      # 0's keeps the goodput ledger, on this node or another).
+      code = watchdog.watch_one(proc, host, lambda: _addresses(directory),
                                 token=rendezvous.read_token_file(extra[env_lib.TOKEN_FILE]),
                                 rank=process, restart=step, say=say)
   if code < 0:  # as it died: the job's driver tells a signal from an exit code
     signal.signal(-code, signal.SIG_DFL)
     os.kill(os.getpid(), -code)
   return 128 - code if code < 0 else code
+
+
+def _addresses(directory: str) -> dict[int, str]:
+  """Each sidecar of the job with an entry in ``directory`` now: host -> its gRPC address
+  (``HOST:PORT`` of its ``SIDECAR_HOSTS`` entry)."""
+  return {e.host_id: e.hosts_entry.rsplit(":", 1)[0] for e in rendezvous.read_hosts(directory)}
 
 
 @contextlib.contextmanager

@@ -179,3 +179,35 @@ def test_a_successful_job_ends_without_a_cancelled_step(slurm, tmp_path):
   assert code == 0, output
   assert output.rstrip().endswith("sidecar slurm: the trainers exited 0"), output
   assert "CANCELLED" not in output and "slurmstepd: error" not in output, output
+
+
+def test_a_stalled_rank_is_killed_and_the_ledger_on_another_sidecar_counts_the_stall(
+    slurm, tmp_path):
+  """Issue 69: rank 1 hangs beside sidecar 1; rank 0, beside sidecar 0 (which keeps the
+  goodput ledger), waits for it in a long phase, never stalled. Rank 1's task finds the
+  stall, kills it and tells every sidecar of the job: the ledger counts a stall, not a
+  crash (tests/support/stall_train.py; tests/processes/tools/test_launch_stall.py for
+  ``sidecar launch``)."""
+  ckpt, stall_s = tmp_path / "ckpt", 4
+  _, code, output = submit(slurm, tmp_path, "--ntasks-per-node", "2", "--hosts-per-node", "2",
+                           "--devices-per-task", "1", "--import", "tests.support.feed_fns",
+                           command=[sys.executable, "-m", "tests.support.stall_train",
+                                    str(ckpt), "sleep", "1", str(stall_s), "1"],
+                           env={"SIDECAR_STALL_TIMEOUT": str(stall_s)})
+  assert code != 0, output  # the step's: the stalled task's 124, or 137, rank 0's kill
+  assert "task 1: Exited with exit code 124" in output, output  # core/stall.EXIT_CODE
+  assert re.search(r"host 1 rank 1 stalled: no step for [\d.]+ s", output), output
+  assert re.search(r"line \d+ in hang_in_sleep", output), output  # its stacks
+  assert "did not hear of" not in output, output
+  found = results(output)
+  assert [r["restart"] for r in found if r["kind"] == "hanging"] == [0]
+  assert [r["restart"] for r in found if r["kind"] == "waiting"] == [0]
+  cli = subprocess.run([sys.executable, "-m", "sidecar", "goodput", str(ckpt), "--json"],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+  assert cli.returncode == 0, cli.stderr
+  ledger = json.loads(cli.stdout)
+  assert ledger["badput_s"]["stall"] >= stall_s * 0.9, ledger
+  died = [json.loads(line) for line in (ckpt / "goodput.jsonl").read_text().splitlines()
+          if '"died"' in line]
+  assert len(died) == 1 and died[0].get("stalled"), died
