@@ -68,6 +68,7 @@ class _Track:
   steps: int = 0
   batches: int = 0  # the most its ledger's marks counted
   saves: int = 0  # its ledger's saves
+  first_save: float | None = None  # monotonic, its first save's, while its clock waits
   last: float | None = None  # monotonic, of the last step once its clock started
   last_wall: float | None = None  # the same, Unix seconds (the ledger's)
   slowest: float = 0.0
@@ -142,7 +143,9 @@ class Steps:
     """``session``'s trainer made step progress: took ``taken`` batches of a feed (a
     credit), or its ledger says so: ``saves`` saves returned, ``batches`` batches taken
     in all (a step only where it grew). Timed only once its clock started: at the end of
-    its startup (:meth:`phase`), or at its second save (a trainer with no feed of ours)."""
+    its startup (:meth:`phase`), or at its second save (a trainer with no feed of ours:
+    the gap from its first save is then its slowest step, so a save interval above the
+    floor is never a stall)."""
     now, wall = self._monotonic(), self._clock()
     with self._lock:
       track = self._live.get(session)
@@ -155,8 +158,11 @@ class Steps:
       track.steps += max(taken, 0)
       track.saves += max(saves, 0)
       track.seen = wall
+      if track.last is None and saves > 0 and track.first_save is None:
+        track.first_save = now
       if track.last is None and track.saves >= 2:  # a first save may precede its compile
-        track.touch(now, wall)
+        track.touch(now, wall)  # and the gap from it is a step: its saves are its steps
+        track.slowest = max(track.slowest, now - (track.first_save or now))
       elif track.last is not None:  # its clock runs
         track.slowest = max(track.slowest, now - track.last)
         track.last, track.last_wall = now, wall

@@ -60,9 +60,21 @@ def test_a_trainer_with_no_feed_is_timed_from_its_second_save(clock):
   s.step("w-1", saves=1)  # step 0's save, before the compile
   clock["t"] += 100.0
   assert s.trainers()[0].since_step_s is None
-  s.step("w-1", saves=1)
-  clock["t"] += 10.5
-  assert s.trainers()[0].stalled and s.trainers()[0].slowest_s == 0
+  s.step("w-1", saves=1)  # its clock starts; the 100 s from its first save is a step
+  clock["t"] += 999.0
+  [t] = s.trainers()
+  assert not t.stalled and t.slowest_s == pytest.approx(100.0) and t.timeout_s == 1000.0
+  clock["t"] += 1.5
+  assert s.trainers()[0].stalled  # 10x its save interval without a save
+
+
+def test_a_trainer_that_saves_less_often_than_the_floor_is_not_stalled_between_saves(clock):
+  s = make(clock)  # floor 10 s; saves every 30 s, no feed
+  s.attach("w-1", pid=7)
+  for _ in range(4):
+    s.step("w-1", saves=1)
+    clock["t"] += 30.0
+    assert not s.trainers()[0].stalled
 
 
 def test_a_trainer_is_stalled_after_the_floor_without_a_step(clock):
