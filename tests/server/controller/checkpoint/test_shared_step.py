@@ -1,14 +1,19 @@
-"""Tier 2: the trainers' abort of a step that several sidecars save into one directory
-never damages the step their committer commits meanwhile (``SaveProtocol.abort``).
+"""Tier 2: a step that several sidecars save into one directory, which they took over
+(its committer: host 0), meets a failure in its commit.
 
 Two real in-process sidecars (hosts 0 and 1) on one checkpoint directory, each with its
-part of step 1, which they took over (its committer: host 0). The committer is held inside
-its commit by the fault point ``slowrename@STEP:PATH`` (every file in place, the step's
-rename to come) while the lead trainer aborts the step on every host, as its controller
-does: host 1's files lie in the very item the committer is about to rename.
+part of step 1. The trainers' abort never damages the step the committer commits
+meanwhile (``SaveProtocol.abort``): the committer is held inside its commit by the fault
+point ``slowrename@STEP:PATH`` (every file in place, the step's rename to come) while the
+lead trainer aborts the step on every host, as its controller does; host 1's files lie in
+the very item the committer is about to rename. A disk's error in the commit is a typed
+``CheckpointWriteError`` wherever the sidecars' decision goes (the ``Agree`` to host 1, the
+trainer's wait for the commit).
 """
 
+import errno
 import logging
+import os
 import pathlib
 import threading
 
@@ -21,11 +26,12 @@ from sidecar._src.ckptfmt.spec import COMMIT_SUCCESS_FILE, LeafKind, LeafSpec
 from sidecar._src.controller.checkpoint.client import CheckpointClient
 from sidecar._src.controller.checkpoint.save_protocol import SaveProtocol, Target
 from sidecar._src.controller.connection import CallWindow
+from sidecar._src.core import errors
 from sidecar._src.server.checkpoint import faults
-from sidecar._src.wire import checkpoint_wire as wire
+from sidecar._src.wire import checkpoint_wire as wire, protocol as protocol_lib
 from sidecar._src.wire.protocol import ckpt_pb
 from tests.conftest import eventually
-from tests.support.raw_client import Raw
+from tests.support.raw_client import Raw, rejected
 from tests.support.staged import staged
 
 pytestmark = pytest.mark.server
@@ -113,3 +119,40 @@ def test_an_abort_on_every_host_during_the_committers_rename_leaves_the_step_who
   assert f"step {STEP} was committed by host 0's sidecar before the abort reached it" \
       in caplog.text
   assert not list(pathlib.Path(directory).rglob("*sidecar-deleting*"))
+
+
+def test_a_disk_error_in_the_sidecars_commit_is_a_checkpoint_write_error_everywhere(
+    two_hosts, tmp_path, monkeypatch, caplog):
+  """The step's rename fails with EIO on the committer (a failing disk): the step is
+  abandoned, and its error is CheckpointWriteError with its errno, path and host, with
+  the fix, in the committer's decision, in host 1's (told over Agree) and at the trainer."""
+  raws, _ = two_hosts
+  directory = str(tmp_path / "ck")
+  tmp_step = pathlib.Path(f"{directory}/{STEP}.orbax-checkpoint-tmp")
+  target = Target.for_step(formats_lib.DEFAULT.get("orbax"), directory, STEP).begun(
+      str(tmp_step))
+  rename = os.rename
+
+  def on_a_failing_disk(src, dst, *args, **kwargs):  # the step's rename, in the sidecar
+    if os.fspath(src) == str(tmp_step):
+      raise OSError(errno.EIO, os.strerror(errno.EIO), os.fspath(src))
+    return rename(src, dst, *args, **kwargs)
+  monkeypatch.setattr(os, "rename", on_a_failing_disk)
+  caplog.set_level(logging.INFO, logger="sidecar")
+  for host, raw in enumerate(raws):
+    stage(raw, host, directory, pathlib.Path(target.tmp_dir), target.final_dir)
+  error = rejected(lambda: raws[0].ckpt.Commit(ckpt_pb.CheckpointCommitRequest(
+      tmp_dir=target.tmp_dir, step=STEP, num_hosts=1, taken_over=True),
+      metadata=raws[0].metadata, timeout=30))
+  said = (f"host 0 could not write step {STEP}: Input/output error (EIO) writing "
+          f"{tmp_step}; make room there (or save to another directory), then save again")
+  e = protocol_lib.error_from_rpc(error, host="host 0")
+  assert isinstance(e, errors.CheckpointWriteError), error.details()
+  assert (str(e), e.errno, e.path, e.host_id) == (said, errno.EIO, str(tmp_step), 0)
+  assert eventually(lambda: "abandoned by the sidecars, never listed" in caplog.text, 30)
+  decided = [r.args[1] for r in caplog.records if "never listed" in r.getMessage()]
+  # Each host's decision as it logged it: the committer's, then host 1's (told over Agree).
+  assert [(type(d).__name__, str(d)) for d in decided] == [
+      ("CheckpointWriteError", said)] * 2, decided
+  assert [(d.errno, d.path, d.host_id) for d in decided] == [(errno.EIO, str(tmp_step), 0)] * 2
+  assert not (pathlib.Path(directory) / str(STEP)).exists()
