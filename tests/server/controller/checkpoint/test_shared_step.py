@@ -105,7 +105,7 @@ def test_an_abort_on_every_host_during_the_committers_rename_leaves_the_step_who
       target=lambda: answer.append(protocol.abort(target, list(HOSTS), committer=0)))
   aborting.start()
   assert eventually(lambda: "waits for its commit under way" in caplog.text, 30)
-  eventually(lambda: not item.is_dir(), 3)  # (a removal by another host would be done by now)
+  eventually(lambda: not item.is_dir(), 1)  # (a removal by another host would be done by now)
   release.touch()
   aborting.join(60)
   final = pathlib.Path(directory) / str(STEP)
