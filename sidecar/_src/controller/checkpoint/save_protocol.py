@@ -188,42 +188,85 @@ class SaveProtocol:
     return self.client.commit(host, Commit(target.tmp_dir, target.step, 1, [], [], "", True,
                                            taken_over=True), timeout=LONG_S).result()
 
-  def abort(self, target: Target, hosts: Sequence[int]) -> None:
+  def abort(self, target: Target, hosts: Sequence[int], *, committer: int | None = None
+            ) -> str | None:
     """Drops a failed save from every sidecar that answers, then its uncommitted files.
+
+    ``committer``: the host whose sidecar commits the step (the sidecars' committer of a
+    step they took over, or the host the trainer commits through), if it is one of
+    ``hosts``. It is asked first, alone: every host's files lie in the step's one tmp
+    directory, which its commit may be renaming, so the others remove them only once it
+    said it did not commit the step (its abort refuses any commit of it from then on).
+    Where it did, or did not say, nothing of the step is removed on any host: the others'
+    RAM tiers let their parts go as their sidecars learn the committer's decision (a step
+    taken over), or once they expire uncommitted; a tmp directory never committed is
+    swept by the directory's next ``open()``.
 
     A host that does not answer keeps its part only until its writer gives up on the
     step (``STAGE_TIMEOUT_S`` there), and the next ``open()`` sweeps the tmp directory.
+
+    Returns where the step is committed ("": it is not; None: not known, its committer
+    did not answer).
     """
     if not target.tmp_dir:  # never begun: nothing of it on any sidecar
-      return
+      return ""
     futures: dict[int, concurrent.futures.Future] = {}
 
     def abort_on(h: int) -> concurrent.futures.Future:
       futures[h] = self.client.abort(h, target.tmp_dir, target.final_dir, timeout=_ABORT_S)
       return futures[h]
 
-    done = on_each(
+    lost = (f"step {target.step} is not saved, as expected when a host is lost during a "
+            "save: it was never committed, so the job goes on from the last committed step "
+            "(an elastic retry restores that one); the lost host's part is swept at the "
+            "directory's next open()")
+    others = list(hosts)
+    if committer is not None and committer in hosts:
+      others.remove(committer)
+      said = self._abort_committer(target, committer, abort_on, lost)
+      if said != "":  # committed, or not known: the files are the commit's to keep
+        return said
+    done = [h for h in futures if futures[h].exception() is None]  # the committer's
+    done += on_each(
         abort_on,
-        hosts=hosts, what=f"abort step {target.step}",
+        hosts=others, what=f"abort step {target.step}",
         then=(f"step {target.step} was not saved (never committed, so no restore sees it; "
               "restores take the last committed step), and that host's part of it goes "
               "when its writer gives up or at the directory's next open()"),
-        lost=(f"step {target.step} is not saved, as expected when a host is lost during a "
-              "save: it was never committed, so the job goes on from the last committed "
-              "step (an elastic retry restores that one); the lost host's part is swept at "
-              "the directory's next open()"))
-    # A host whose commit of the step had begun (or ended) before the abort came committed
-    # it: the abort left it whole, and says so.
+        lost=lost)
+    # Without a committer named, one whose commit had begun (or ended) before the abort
+    # came committed it: the abort left it whole, and says so.
     committed = {h: futures[h].result() for h in done if futures[h].result()}
     for h, where in committed.items():
-      log.warning("step %d was committed by host %d's sidecar before the abort reached it "
-                  "(at %s): it is saved, and restores see it; the save's error is raised all "
-                  "the same", target.step, h, where)
+      _committed_all_the_same(target.step, h, where)
     tmp = target.tmp_step
     if target.whole_step and done and tmp and tmp != target.tmp_dir and not committed:
       # Every host is done with the step: its tmp directory goes.
       on_each(lambda h: self.client.abort(h, tmp, target.final_dir, timeout=_ABORT_S),
               hosts=done, what=f"remove step {target.step}'s tmp files")
+    return next(iter(committed.values()), "")
+
+  def _abort_committer(self, target: Target, committer: int,
+                       abort_on: Callable[[int], concurrent.futures.Future], lost: str
+                       ) -> str | None:
+    """Aborts the step on its committer first (:meth:`abort`); returns where it committed
+    it ("": it did not, and never will: it answered so, or its sidecar is gone; None: not
+    known, it did not answer)."""
+    try:
+      committed = abort_on(committer).result()
+    except errors.HostLostError as e:  # its sidecar is gone: it commits nothing any more
+      _could_not(f"abort step {target.step}", committer, e, "", lost)
+      return ""
+    except errors.SidecarError as e:
+      log.warning(
+          "could not abort step %d on host %d, which commits it: %s; whether the step is "
+          "committed is not known, so nothing of it is removed on any host (restores see it "
+          "if its commit ends; if not, the directory's next open() sweeps its files)",
+          target.step, committer, str(e))
+      return None
+    if committed:
+      _committed_all_the_same(target.step, committer, committed)
+    return committed
 
   def mark_committed(self, target: Target, hosts: Sequence[int], manifest_json: str = ""
                      ) -> None:
@@ -374,6 +417,12 @@ def on_each(start: Callable[[int], concurrent.futures.Future], *, hosts: Sequenc
     except errors.SidecarError as e:
       _could_not(what, h, e, then, lost)
   return ok
+
+
+def _committed_all_the_same(step: int, host: int, where: str) -> None:
+  log.warning("step %d was committed by host %d's sidecar before the abort reached it (at "
+              "%s): it is saved, and restores see it; nothing of it was removed on any host; "
+              "the save's error is raised all the same", step, host, where)
 
 
 def _could_not(what: str, host: int, e: errors.SidecarError, then: str, lost: str) -> None:

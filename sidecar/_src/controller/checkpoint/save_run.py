@@ -319,10 +319,21 @@ class SaveRun:
         functools.partial(self._commit, written, leaves=leaves,
                           data_state_json=data_state_json, extra=extra) if plan is None
         else functools.partial(self._await_commit, plan))
+    aborted: list[str | None] = []  # where the abort found the step committed, if it ran
+    # Asked first (``SaveProtocol.abort``): the sidecars' committer, or the one we commit through.
+    committer = plan.committer if plan is not None else self.local[0] if self.local else None
     try:
-      self._coordination.commit(self.step, error, commit,
-                                lambda: self.protocol.abort(self.target, self.hosts))
+      self._coordination.commit(self.step, error, commit, lambda: aborted.append(
+          self.protocol.abort(self.target, self.hosts, committer=committer)))
     except BaseException as e:
+      if aborted and aborted[0] != "":
+        e.add_note(
+            f"step {self.step} was committed all the same, at {aborted[0]}: host "
+            f"{committer}'s commit of it had begun before the abort reached it; restores "
+            "see it" if aborted[0] else
+            f"whether step {self.step} is committed is not known: host {committer}, which "
+            "commits it, did not answer the abort; nothing of it was removed (restores see "
+            "it if its commit ended; if not, the directory's next open() sweeps its files)")
       if self.ending is not None:
         resolve(self.ending.handle.taken_over, None, False)
         resolve(self.ending.handle.staged, e, None)

@@ -448,9 +448,14 @@ class StepWriter:
                                   shards=shards, data_state_json=data_state,
                                   replicas=replicas, extras=fmt.manifest_extras(extra))
       faults.fault("commit", step)
-      committed = fmt.commit(tmp_dir, manifest, leaves=leaves, num_hosts=num_hosts,
-                             whole_step=whole_step, extra=extra,
-                             swapping=lambda: faults.mid_commit(step))
+      try:
+        committed = fmt.commit(tmp_dir, manifest, leaves=leaves, num_hosts=num_hosts,
+                               whole_step=whole_step, extra=extra,
+                               swapping=lambda: faults.mid_commit(step))
+      except OSError as e:  # a disk's (EIO, ENOSPC): typed wherever the decision goes
+        if isinstance(e, FileExistsError):  # committed meanwhile: not the disk's
+          raise
+        raise write_lib.write_failure(self._host_id, step, own.final_dir, e) from None
     finally:
       own.commit_gate.end(committed if whole_step else "")  # an item: its manager commits it
     if fmt.commit_extra is not None:  # kept in host memory (a DCP step's): info() answers it,

@@ -189,7 +189,58 @@ def test_an_abort_a_host_answers_committed_says_the_step_is_saved_and_removes_no
   assert record.levelname == "WARNING"
   assert record.getMessage() == (
       "step 3 was committed by host 0's sidecar before the abort reached it (at /ckpt/3): "
-      "it is saved, and restores see it; the save's error is raised all the same")
+      "it is saved, and restores see it; nothing of it was removed on any host; the save's "
+      "error is raised all the same")
+
+
+class Answers(Recording):
+  """Each host's abort answered as ``answers`` says: where it committed the step, or an
+  error (the others: "", aborted)."""
+
+  def __init__(self, hosts, answers):
+    super().__init__(hosts)
+    self.answers = answers
+
+  def abort(self, host, tmp_dir, final_dir, *, timeout):
+    answer = self.answers.get(host, "")
+    if not isinstance(answer, BaseException):
+      self.committed_at[host] = answer
+      return super().abort(host, tmp_dir, final_dir, timeout=timeout)
+    self.sent.append(("abort", host, tmp_dir))
+    failed: concurrent.futures.Future = concurrent.futures.Future()
+    failed.set_exception(answer)
+    return failed
+
+
+ITEM, TMP_STEP = "/ckpt/3.orbax-checkpoint-tmp/default", "/ckpt/3.orbax-checkpoint-tmp"
+
+
+@pytest.mark.parametrize("answer, sent, said", [
+    ("", [("abort", 1, ITEM), ("abort", 0, ITEM), ("abort", 2, ITEM), ("abort", 1, TMP_STEP),
+          ("abort", 0, TMP_STEP), ("abort", 2, TMP_STEP)], ""),
+    ("/ckpt/3", [("abort", 1, ITEM)], "/ckpt/3"),
+    (errors.DeadlineExceededError("abort: step 3 is still being committed after 60 s"),
+     [("abort", 1, ITEM)], None),
+    (errors.HostLostError("host 1 is lost", host_id=1),
+     [("abort", 1, ITEM), ("abort", 0, ITEM), ("abort", 2, ITEM), ("abort", 0, TMP_STEP),
+      ("abort", 2, TMP_STEP)], ""),
+], ids=["not-committed", "committed", "no-answer", "committer-lost"])
+def test_an_abort_asks_the_committer_first_and_removes_files_only_once_it_did_not_commit(
+    answer, sent, said, caplog):
+  """Every host's files lie in the step's one tmp directory, which the committer's commit
+  renames: the other hosts remove them only once it said it did not commit the step (or
+  its sidecar is gone); committed or not known, no host removes anything."""
+  fake = Answers([0, 1, 2], {1: answer})
+  got = SaveProtocol(client=fake, directory="/ckpt", format=ORBAX).abort(
+      begun(3), [0, 1, 2], committer=1)
+  assert (fake.sent, got) == (sent, said)
+  if said is None:
+    (record,) = [r for r in caplog.records if "step 3" in r.getMessage()]
+    assert record.getMessage() == (
+        "could not abort step 3 on host 1, which commits it: abort: step 3 is still being "
+        "committed after 60 s; whether the step is committed is not known, so nothing of it "
+        "is removed on any host (restores see it if its commit ends; if not, the "
+        "directory's next open() sweeps its files)")
 
 
 def test_an_abort_a_lost_host_misses_says_calmly_what_happens_next(caplog):

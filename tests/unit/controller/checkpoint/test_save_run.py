@@ -130,6 +130,35 @@ def test_a_host_that_fails_its_writes_aborts_the_step_on_every_host_and_fails_st
   assert isinstance(handle.durable.exception(0), errors.CheckpointWriteError)
 
 
+class CommittedAtAbort(Arena):
+  """Host 0's commit answers late (its deadline passed) while it goes on, and had
+  committed the step by the time its abort came."""
+
+  def abort(self, host, tmp_dir, final_dir, *, timeout):
+    aborted = super().abort(host, tmp_dir, final_dir, timeout=timeout)
+    if host != 0:
+      return aborted
+    committed: concurrent.futures.Future = concurrent.futures.Future()
+    committed.set_result(final_dir)
+    return committed
+
+
+def test_a_step_its_committer_committed_before_the_abort_came_is_left_whole_and_said_saved():
+  """The host the step is committed through is asked first; it answers committed: no other
+  host removes anything (its files are the committed step's), and the trainer's error says
+  the step was committed all the same."""
+  fake = CommittedAtAbort([0, 1])
+  fake.fail["commit"] = errors.DeadlineExceededError("commit: no answer after 3600 s")
+  run = dcp_run(fake, hosts=(0, 1))
+  run.begin()
+  with pytest.raises(errors.DeadlineExceededError, match="no answer") as raised:
+    run.finish(extra=commit_extra())
+  assert fake.aborted == [(0, "/ckpt/3.dcp-checkpoint-tmp")]
+  assert raised.value.__notes__[-1] == (
+      "step 3 was committed all the same, at /ckpt/3: host 0's commit of it had begun "
+      "before the abort reached it; restores see it")
+
+
 def test_a_key_value_run_of_one_process_begins_stages_commits_and_ends_on_its_thread():
   from sidecar._src.ckptfmt.registry import ORBAX
   from sidecar._src.controller.checkpoint.retention import Retention
