@@ -117,10 +117,19 @@ class Begins:
       return self._begun.get(tmp)
 
   def in_flight_at(self, tmp: pathlib.Path) -> bool:
-    """Whether a save begun here into ``tmp`` (resolved) is in flight, whoever began it."""
+    """Whether a save into ``tmp`` (resolved) is in flight here, whoever began it (an
+    open's sweep leaves its directory whole): a Begin of it in flight, or a step held in
+    it whose commit runs, or is still to come from its trainers while they are not known
+    to be gone (one with no worker session here: until the step expires,
+    ``RamTier.uncommitted_s``)."""
     with self._lock:
       begun = self._begun.get(tmp)
-      return begun is not None and self._in_flight(begun)
+      if begun is not None and self._in_flight(begun):
+        return True
+    held = self._tier.steps(lambda s: pathlib.Path(s.tmp_dir).is_relative_to(tmp))
+    return any(s.commit_gate.under_way or (s.phase is Phase.WRITTEN and s.takeover is
+                                           Takeover.NONE and s.trainers_alive() is not False)
+               for s in held)
 
   def ended(self, path: pathlib.Path) -> None:
     """Forgets the begun saves of the uncommitted directory ``path`` is, or lies in or

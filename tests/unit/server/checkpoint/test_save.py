@@ -586,3 +586,26 @@ def test_an_abort_of_a_dcp_save_again_at_a_committed_path_is_that_saves(make_wri
   tmp = writer.begin(Begin(path, 1, "dcp"), owner="a")  # the new save of the path
   assert writer.abort(tmp, path) == ""
   assert not os.path.exists(tmp)
+
+
+def test_an_open_keeps_a_step_waiting_for_its_commit_and_sweeps_one_whose_trainer_is_gone(
+    make_writer, tmp_path):
+  """A written step whose trainer commits it is in flight till its commit: one whose trainer
+  has no worker session here (its liveness not known: ``attach=False``) was swept by an
+  open between its prepared and its commit. One whose trainer is known gone still goes."""
+  writer, _ = make_writer(Recording())
+  there = [True]
+  directory, tmp_dir, final = begun(writer, tmp_path, 3)  # its trainer's liveness not known
+  writer.stage(Stage(directory, 3, tmp_dir, final, SPECS, [shard(0, ((0, 4), (0, 2)), 1.0),
+                     shard(1, ((0, 3),), 1)]), owner="a")
+  sums = writer.prepared(final, timeout=30)
+  tmp4 = writer.begin(Begin(directory, 4, "orbax"), owner="b", alive=lambda: there[0])
+  final4 = str(tmp_path / "ck" / "4" / spec_lib.ITEM)
+  writer.stage(Stage(directory, 4, os.path.join(tmp4, spec_lib.ITEM), final4, SPECS,
+                     [shard(1, ((0, 3),), 4)]), owner="b", worker="w", alive=lambda: there[0])
+  writer.prepared(final4, timeout=30)
+  there[0] = False  # its trainer died before its commit: its step is a dead save's
+  assert writer.open(directory) == []
+  assert os.path.isdir(tmp_dir) and not os.path.exists(tmp4)
+  assert writer.commit(Commit(tmp_dir, 3, 1, SPECS, sums, "", True), owner="a") == str(
+      tmp_path / "ck" / "3")
