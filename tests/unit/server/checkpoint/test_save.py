@@ -4,6 +4,7 @@ given and when, or to fail. Real files under tmp_path; no server, no processes."
 
 import errno
 import json
+import logging
 import os
 import pathlib
 import re
@@ -201,19 +202,29 @@ def test_another_writers_part_after_the_write_failed_is_told_the_failure(
   assert tier.find(final) is not own and own.phase is step_lib.Phase.DROPPED
 
 
-def test_a_failed_step_kept_for_its_trainer_expires_as_an_uncommitted_one(make_writer, tmp_path):
+def test_a_failed_step_kept_for_its_trainer_expires_as_an_uncommitted_one(make_writer, tmp_path,
+                                                                         caplog):
   """The failed step of a trainer whose liveness is unknown (inline Stages), kept for it
   to learn why, is not kept for good where it never comes back: it goes as an uncommitted
-  step does (``RamTier.uncommitted_s`` after the failure, 600 s by default)."""
+  step does (``RamTier.uncommitted_s`` after the failure, 600 s by default). Its warning
+  says its write failed, and why, not that it was "staged and written" with bytes freed
+  now: they went at the failure."""
   writer, tier = make_writer(Recording(fail=OSError(errno.ENOSPC, "No space left on device")))
   directory, tmp_dir, final = begun(writer, tmp_path, 4)
   writer.stage(Stage(directory, 4, tmp_dir, final, SPECS, [shard(1, ((0, 3),), 1)],
                      last=False), owner="a")
   own = tier.find(final)
   assert own.wait_written(30) and own.phase is step_lib.Phase.FAILED
+  assert eventually(lambda: own.shards == {})  # its bytes let go at the failure
   assert tier.expire_uncommitted() == [] and tier.find(final) is own  # within its time
   tier.uncommitted_s = 0.0
+  caplog.set_level(logging.WARNING, logger="sidecar._src.server.checkpoint.ram_tier")
   assert tier.expire_uncommitted() == [4] and tier.find(final) is None
+  assert re.search(r"step 4 of \S+/ck: its write failed \d+ s ago \(OSError: \[Errno 28\] No "
+                   r"space left on device\) and it was never aborted \(the controller that "
+                   r"staged it is gone\?\): its record goes now \(its bytes went back at that "
+                   r"failure\)", caplog.text), caplog.text
+  assert "staged and written" not in caplog.text
 
 
 def test_abort_stops_a_writer_waiting_for_parts_and_lets_the_blocks_go(make_writer, tmp_path):
