@@ -69,13 +69,14 @@ class Begins:
     # This session's own save is in flight until committed or aborted (a second
     # checkpointer of the directory), once staged: before, its Begin again is a retry.
     # Another session's, from its Begin on, while its trainer is there (one that died
-    # must not keep a relaunched job from saving the step).
+    # must not keep a relaunched job from saving the step), and while its commit runs
+    # (whoever's: the directory made anew under it would be committed without its files).
     for gone in [b for b in self._begun.values() if not self._in_flight(b)]:
       del self._begun[gone.tmp]  # (forget_ended, under the lock this Begin holds)
     other = self._begun.get(tmp)
     busy = self._tier.steps(
         lambda s: s.format == fmt and pathlib.Path(s.tmp_dir).is_relative_to(tmp)
-        and (s.phase in (Phase.STAGING, Phase.STAGED)
+        and (s.phase in (Phase.STAGING, Phase.STAGED) or s.commit_gate.under_way
              or (owner in s.owners and s.phase is Phase.WRITTEN)))
     another = "another session (another trainer process or Controller)"
     if other is not None and other.owner != owner:

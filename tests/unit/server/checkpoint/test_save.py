@@ -21,6 +21,7 @@ from sidecar._src.ckptfmt.phases import Begin, Commit, Stage
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
 from sidecar._src.server.checkpoint import (
+  faults,
   ram_tier,
   roots as roots_lib,
   save as checkpoint_save,
@@ -620,3 +621,33 @@ def test_an_open_keeps_a_step_waiting_for_its_commit_and_sweeps_one_whose_traine
   assert os.path.isdir(tmp_dir) and not os.path.exists(tmp4)
   assert writer.commit(Commit(tmp_dir, 3, 1, SPECS, sums, "", True), owner="a") == str(
       tmp_path / "ck" / "3")
+
+
+def test_another_sessions_begin_during_a_commit_is_refused_and_removes_nothing(
+    make_writer, tmp_path, monkeypatch, caplog):
+  """Another session's Begin of a step whose commit runs (its files in place, its rename
+  to come: ``slowrename@3:PATH``), its trainer's liveness not known, made the step's
+  directory anew under the commit, which then renamed that: step 3 was committed with its
+  _CHECKPOINT_METADATA alone, every file of its item gone. Now that Begin is refused."""
+  release = tmp_path / "release"
+  monkeypatch.setenv(faults.FAULT_ENV, f"slowrename@3:{release}")
+  caplog.set_level(logging.INFO, logger="sidecar")
+  writer, _ = make_writer(Recording())
+  directory, tmp_dir, final = begun(writer, tmp_path, 3)
+  writer.stage(Stage(directory, 3, tmp_dir, final, SPECS, [shard(0, ((0, 4), (0, 2)), 1.0),
+                     shard(1, ((0, 3),), 1)]), owner="a")
+  sums = writer.prepared(final, timeout=30)
+  committed = []
+  commit = threading.Thread(target=lambda: committed.append(writer.commit(
+      Commit(tmp_dir, 3, 1, SPECS, sums, "", True), owner="a")))
+  commit.start()
+  try:
+    assert eventually(lambda: "holding slowrename of step 3" in caplog.text, 30)
+    with pytest.raises(errors.PermissionDeniedError, match=r"begin: step 3 of '.*ck' is being "
+                       r"saved by another session"):
+      writer.begin(Begin(directory, 3, "orbax"), owner="b", alive=lambda: True)
+  finally:
+    release.touch()
+    commit.join(60)
+  assert committed == [str(tmp_path / "ck" / "3")]
+  assert os.listdir(directory) == ["3"]
