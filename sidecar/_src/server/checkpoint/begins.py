@@ -69,13 +69,14 @@ class Begins:
     # This session's own save is in flight until committed or aborted (a second
     # checkpointer of the directory), once staged: before, its Begin again is a retry.
     # Another session's, from its Begin on, while its trainer is there (one that died
-    # must not keep a relaunched job from saving the step).
+    # must not keep a relaunched job from saving the step), and while its commit runs
+    # (whoever's: the directory made anew under it would be committed without its files).
     for gone in [b for b in self._begun.values() if not self._in_flight(b)]:
       del self._begun[gone.tmp]  # (forget_ended, under the lock this Begin holds)
     other = self._begun.get(tmp)
     busy = self._tier.steps(
         lambda s: s.format == fmt and pathlib.Path(s.tmp_dir).is_relative_to(tmp)
-        and (s.phase in (Phase.STAGING, Phase.STAGED)
+        and (s.phase in (Phase.STAGING, Phase.STAGED) or s.commit_gate.under_way
              or (owner in s.owners and s.phase is Phase.WRITTEN)))
     another = "another session (another trainer process or Controller)"
     if other is not None and other.owner != owner:
@@ -117,10 +118,19 @@ class Begins:
       return self._begun.get(tmp)
 
   def in_flight_at(self, tmp: pathlib.Path) -> bool:
-    """Whether a save begun here into ``tmp`` (resolved) is in flight, whoever began it."""
+    """Whether a save into ``tmp`` (resolved) is in flight here, whoever began it (an
+    open's sweep leaves its directory whole): a Begin of it in flight, or a step held in
+    it whose commit runs, or is still to come from its trainers while they are not known
+    to be gone (one with no worker session here: until the step expires,
+    ``RamTier.uncommitted_s``)."""
     with self._lock:
       begun = self._begun.get(tmp)
-      return begun is not None and self._in_flight(begun)
+      if begun is not None and self._in_flight(begun):
+        return True
+    held = self._tier.steps(lambda s: pathlib.Path(s.tmp_dir).is_relative_to(tmp))
+    return any(s.commit_gate.under_way or (s.phase is Phase.WRITTEN and s.takeover is
+                                           Takeover.NONE and s.trainers_alive() is not False)
+               for s in held)
 
   def ended(self, path: pathlib.Path) -> None:
     """Forgets the begun saves of the uncommitted directory ``path`` is, or lies in or

@@ -35,6 +35,11 @@ class CommitGate:
     self._aborted = False  # its trainers aborted it: no commit of it begins any more
     self._committed_to = ""  # where its commit put it on storage, once one did
 
+  @property
+  def under_way(self) -> bool:
+    """Whether a commit of it runs now (between :meth:`begin` and :meth:`end`)."""
+    return not self._ended.is_set()
+
   def begin(self) -> None:
     """Before the commit writes or renames anything: it begins (an abort waits for its
     end from now on; :meth:`end` ends it).

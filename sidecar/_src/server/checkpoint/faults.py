@@ -7,12 +7,15 @@ most ``HOLD_S``: a test holds a step not durable while it looks), "slowstage@STE
 "slowstage@STEP:PATH") the same before a Stage of STEP is taken (a step not staged yet),
 "slowcommit@STEP" (and "...:PATH") before a commit of STEP begins (``StepWriter``: it is
 written and decided, nothing of it renamed), "slowrename@STEP" (and "...:PATH") inside it,
-its files in place and its last rename to come (a test makes an abort meet either);
+its files in place and its last rename to come (a DCP step's only where it replaces a
+committed one) (a test makes an abort meet either);
 "replicate@STEP" kills it as another sidecar's first shards of STEP arrive, once its own
 part of STEP is committed (so the step is durable and its replication half done);
-"enospc@STEP" fails the write with ENOSPC once its first shard is on disk (a full disk),
-"eio@STEP" with EIO there (a failing disk), each "...:PATH" only once the file PATH
-exists (a test fails a write it held till then); "swap@STEP" kills it in the middle of a
+"enospc@STEP" fails the write with ENOSPC (a full disk) at its first progress: every part
+of this host's share of STEP arrived (the formats wait for their writes only once the
+last one did) and its first shard is on disk, so it fails a whole step's write, never one
+mid-save; "eio@STEP" with EIO there (a failing disk), each "...:PATH" only once the file
+PATH exists (a test fails a write it held till then); "swap@STEP" kills it in the middle of a
 DCP commit that replaces a committed checkpoint at its path (``ckptfmt/dcp.finalize``).
 """
 

@@ -276,18 +276,28 @@ class RamTier:
     return Held(own, replicas)
 
   def expire_uncommitted(self) -> list[int]:
-    """Drops the steps written here whose commit has not come in time; returns them."""
+    """Drops the steps written here (or whose write failed) whose commit (or abort) has
+    not come in time; returns them."""
     now = time.monotonic()
     with self._lock:
       stale = [s for s in self._steps.values() if s.view().uncommitted
                and now - (s.finished or now) >= self.uncommitted_s]
+      held = [sum(x.data.nbytes for x in s.staged()) for s in stale]
       for s in stale:
         del self._steps[s.final_dir]
         s.drop()  # the staged blocks go back to the arena
-    for s in stale:
-      log.warning("step %d of %s was staged and written %.0f s ago but never committed (the "
-                  "controller that staged it is gone?): its %s are freed", s.step, s.directory,
-                  now - (s.finished or now), shm.format_size(s.nbytes), extra={"step": s.step})
+    for s, nbytes in zip(stale, held, strict=True):
+      ago = now - (s.finished or now)
+      if s.error is None:
+        log.warning("step %d of %s was staged and written %.0f s ago but never committed (the "
+                    "controller that staged it is gone?): its %s are freed", s.step,
+                    s.directory, ago, shm.format_size(nbytes), extra={"step": s.step})
+        continue
+      freed = (f"its {shm.format_size(nbytes)} are freed" if nbytes else
+               "its record goes now (its bytes went back at that failure)")
+      log.warning("step %d of %s: its write failed %.0f s ago (%s: %s) and it was never "
+                  "aborted (the controller that staged it is gone?): %s", s.step, s.directory,
+                  ago, type(s.error).__name__, s.error, freed, extra={"step": s.step})
     return [s.step for s in stale]
 
   def status(self) -> list[pb.CheckpointStatus]:

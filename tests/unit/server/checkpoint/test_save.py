@@ -4,6 +4,7 @@ given and when, or to fail. Real files under tmp_path; no server, no processes."
 
 import errno
 import json
+import logging
 import os
 import pathlib
 import re
@@ -20,6 +21,7 @@ from sidecar._src.ckptfmt.phases import Begin, Commit, Stage
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
 from sidecar._src.server.checkpoint import (
+  faults,
   ram_tier,
   roots as roots_lib,
   save as checkpoint_save,
@@ -201,19 +203,29 @@ def test_another_writers_part_after_the_write_failed_is_told_the_failure(
   assert tier.find(final) is not own and own.phase is step_lib.Phase.DROPPED
 
 
-def test_a_failed_step_kept_for_its_trainer_expires_as_an_uncommitted_one(make_writer, tmp_path):
+def test_a_failed_step_kept_for_its_trainer_expires_as_an_uncommitted_one(make_writer, tmp_path,
+                                                                         caplog):
   """The failed step of a trainer whose liveness is unknown (inline Stages), kept for it
   to learn why, is not kept for good where it never comes back: it goes as an uncommitted
-  step does (``RamTier.uncommitted_s`` after the failure, 600 s by default)."""
+  step does (``RamTier.uncommitted_s`` after the failure, 600 s by default). Its warning
+  says its write failed, and why, not that it was "staged and written" with bytes freed
+  now: they went at the failure."""
   writer, tier = make_writer(Recording(fail=OSError(errno.ENOSPC, "No space left on device")))
   directory, tmp_dir, final = begun(writer, tmp_path, 4)
   writer.stage(Stage(directory, 4, tmp_dir, final, SPECS, [shard(1, ((0, 3),), 1)],
                      last=False), owner="a")
   own = tier.find(final)
   assert own.wait_written(30) and own.phase is step_lib.Phase.FAILED
+  assert eventually(lambda: own.shards == {})  # its bytes let go at the failure
   assert tier.expire_uncommitted() == [] and tier.find(final) is own  # within its time
   tier.uncommitted_s = 0.0
+  caplog.set_level(logging.WARNING, logger="sidecar._src.server.checkpoint.ram_tier")
   assert tier.expire_uncommitted() == [4] and tier.find(final) is None
+  assert re.search(r"step 4 of \S+/ck: its write failed \d+ s ago \(OSError: \[Errno 28\] No "
+                   r"space left on device\) and it was never aborted \(the controller that "
+                   r"staged it is gone\?\): its record goes now \(its bytes went back at that "
+                   r"failure\)", caplog.text), caplog.text
+  assert "staged and written" not in caplog.text
 
 
 def test_abort_stops_a_writer_waiting_for_parts_and_lets_the_blocks_go(make_writer, tmp_path):
@@ -586,3 +598,56 @@ def test_an_abort_of_a_dcp_save_again_at_a_committed_path_is_that_saves(make_wri
   tmp = writer.begin(Begin(path, 1, "dcp"), owner="a")  # the new save of the path
   assert writer.abort(tmp, path) == ""
   assert not os.path.exists(tmp)
+
+
+def test_an_open_keeps_a_step_waiting_for_its_commit_and_sweeps_one_whose_trainer_is_gone(
+    make_writer, tmp_path):
+  """A written step whose trainer commits it is in flight till its commit: one whose trainer
+  has no worker session here (its liveness not known: ``attach=False``) was swept by an
+  open between its prepared and its commit. One whose trainer is known gone still goes."""
+  writer, _ = make_writer(Recording())
+  there = [True]
+  directory, tmp_dir, final = begun(writer, tmp_path, 3)  # its trainer's liveness not known
+  writer.stage(Stage(directory, 3, tmp_dir, final, SPECS, [shard(0, ((0, 4), (0, 2)), 1.0),
+                     shard(1, ((0, 3),), 1)]), owner="a")
+  sums = writer.prepared(final, timeout=30)
+  tmp4 = writer.begin(Begin(directory, 4, "orbax"), owner="b", alive=lambda: there[0])
+  final4 = str(tmp_path / "ck" / "4" / spec_lib.ITEM)
+  writer.stage(Stage(directory, 4, os.path.join(tmp4, spec_lib.ITEM), final4, SPECS,
+                     [shard(1, ((0, 3),), 4)]), owner="b", worker="w", alive=lambda: there[0])
+  writer.prepared(final4, timeout=30)
+  there[0] = False  # its trainer died before its commit: its step is a dead save's
+  assert writer.open(directory) == []
+  assert os.path.isdir(tmp_dir) and not os.path.exists(tmp4)
+  assert writer.commit(Commit(tmp_dir, 3, 1, SPECS, sums, "", True), owner="a") == str(
+      tmp_path / "ck" / "3")
+
+
+def test_another_sessions_begin_during_a_commit_is_refused_and_removes_nothing(
+    make_writer, tmp_path, monkeypatch, caplog):
+  """Another session's Begin of a step whose commit runs (its files in place, its rename
+  to come: ``slowrename@3:PATH``), its trainer's liveness not known, made the step's
+  directory anew under the commit, which then renamed that: step 3 was committed with its
+  _CHECKPOINT_METADATA alone, every file of its item gone. Now that Begin is refused."""
+  release = tmp_path / "release"
+  monkeypatch.setenv(faults.FAULT_ENV, f"slowrename@3:{release}")
+  caplog.set_level(logging.INFO, logger="sidecar")
+  writer, _ = make_writer(Recording())
+  directory, tmp_dir, final = begun(writer, tmp_path, 3)
+  writer.stage(Stage(directory, 3, tmp_dir, final, SPECS, [shard(0, ((0, 4), (0, 2)), 1.0),
+                     shard(1, ((0, 3),), 1)]), owner="a")
+  sums = writer.prepared(final, timeout=30)
+  committed = []
+  commit = threading.Thread(target=lambda: committed.append(writer.commit(
+      Commit(tmp_dir, 3, 1, SPECS, sums, "", True), owner="a")))
+  commit.start()
+  try:
+    assert eventually(lambda: "holding slowrename of step 3" in caplog.text, 30)
+    with pytest.raises(errors.PermissionDeniedError, match=r"begin: step 3 of '.*ck' is being "
+                       r"saved by another session"):
+      writer.begin(Begin(directory, 3, "orbax"), owner="b", alive=lambda: True)
+  finally:
+    release.touch()
+    commit.join(60)
+  assert committed == [str(tmp_path / "ck" / "3")]
+  assert os.listdir(directory) == ["3"]
