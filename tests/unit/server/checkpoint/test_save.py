@@ -197,9 +197,14 @@ def test_another_writers_part_after_the_write_failed_is_told_the_failure(
                      r"Input/output error \(EIO\) writing w/0"):
     part("b", [shard(0, ((2, 4), (0, 2)), 2.0), shard(1, ((0, 3),), 7)])
   assert tier.find(final) is own
-  monkeypatch.setattr(write_lib, "STAGE_TIMEOUT_S", 0.0)  # long after the failure
+  # Long after the failure: its write ended STAGE_TIMEOUT_S + 1 s ago. The new save is
+  # whole in one part (one writer), so its writer waits for no other.
+  monkeypatch.setattr(own, "_finished", own.finished - write_lib.STAGE_TIMEOUT_S - 1)
   engine.fail = None
-  part("b", [shard(0, ((2, 4), (0, 2)), 2.0), shard(1, ((0, 3),), 7)])
+  whole = [shard(0, ((0, 2), (0, 2)), 1.0), shard(0, ((2, 4), (0, 2)), 2.0),
+           shard(1, ((0, 3),), 7)]
+  writer.stage(Stage(directory, 4, tmp_dir, final, SPECS, whole, last=True, writers=1),
+               owner="b", **LIVENESS[trainer])
   assert tier.find(final) is not own and own.phase is step_lib.Phase.DROPPED
 
 
