@@ -212,10 +212,12 @@ class Framework(abc.ABC):
     """The leaves of restore ``target`` (the framework's abstract or concrete arrays),
     the blocks this process fills, and how they become the restored tree."""
 
-  def restore_on_device(self, target: Any, copies: Sequence[tuple[ShardRecord, DeviceCopy]]
+  def restore_on_device(self, target: Any,
+                        copies: Sequence[tuple[ShardRecord, DeviceCopy | np.ndarray]]
                         ) -> Any | None:
     """``target`` restored from the copies a save not staged yet still holds on the
-    devices (``copies``: this process's shards of it, as :meth:`save_leaves` made them),
+    devices (``copies``: this process's shards of it, as :meth:`save_leaves` made them,
+    and a host array of its own of each host value's, as saved: hand back a copy),
     in arrays of the trainer's own (never the buffers the save goes on reading); None
     where they do not make the whole of it. An in-process rollback's way not to wait for
     the save's copy (``controller/checkpoint/rollback.py``). By default None: an

@@ -436,30 +436,44 @@ def restore_target(target: Any) -> RestoreTarget:
   return RestoreTarget(tuple(leaves), build, start)
 
 
-def restore_on_device(target: Any, copies: Sequence[tuple[ShardRecord, DeviceCopy]]
+def restore_on_device(target: Any,
+                      copies: Sequence[tuple[ShardRecord, DeviceCopy | np.ndarray]]
                       ) -> Any | None:
   """``target`` restored from a save's shards still on the devices (``copies``: this
-  process's, as ``save_leaves`` made them), or None where they do not make the whole of
-  it: a host leaf, a block no copy holds (another process saved it, or another sharding
-  wants it), pieces released (the save was staged) or never joinable.
+  process's, as ``save_leaves`` made them, and a host array of each host value's, as
+  saved), or None where they do not make the whole of it: a block no copy holds (another
+  process saved it, or another sharding wants it), a host leaf none holds or of another
+  shape or dtype, pieces released (the save was staged) or never joinable.
 
   Each device's pieces are joined into its shards once, device to device, in new buffers
   (``_Pieces.joined``: the save goes on reading its own, and a step that donates the
   restored state never touches them); a block on another device than its shard's (a
-  replica) is copied there. Nothing is waited for: the transfers run on the devices.
+  replica) is copied there. A host leaf comes back as a new host array (a numpy scalar
+  where it has no shape, as ``restore_target`` makes it): the trainer may change it in
+  place, the save's own stays as saved. Nothing is waited for: the transfers run on the
+  devices.
   """
   held: dict[tuple[KeyPath, tuple], DeviceToHost] = {}
+  host: dict[KeyPath, np.ndarray] = {}
   for record, data in copies:
-    if not isinstance(data, DeviceToHost):
+    if isinstance(data, np.ndarray):
+      host[tuple(record.key_path)] = data
+    elif isinstance(data, DeviceToHost):
+      held[(tuple(record.key_path), record.index)] = data
+    else:
       return None
-    held[(tuple(record.key_path), record.index)] = data
   flat, treedef = trees.flatten_with_path(target)
-  plan: list[tuple[tuple[int, ...], Any, list[tuple[jax.Device, DeviceToHost]]]] = []
+  plan: list[tuple[tuple[int, ...], Any, list[tuple[jax.Device, DeviceToHost]]]
+             | np.ndarray] = []
   for path, want in flat:
     sharding, shape = getattr(want, "sharding", None), tuple(np.shape(want))
-    if sharding is None:  # a host leaf: saved from the host, before save() returned
-      return None
-    dtype = np.dtype(want.dtype)
+    dtype = np.dtype(want.dtype if hasattr(want, "dtype") else np.asarray(want).dtype)
+    if sharding is None:  # a host leaf: its value as saved, copied at save()
+      value = host.get(tuple(path))
+      if value is None or value.shape != shape or value.dtype != dtype:
+        return None
+      plan.append(value)
+      continue
     blocks = []
     for device, index in sharding.addressable_devices_indices_map(shape).items():
       copy = held.get((tuple(path), shard_index(index, shape)))
@@ -468,15 +482,19 @@ def restore_on_device(target: Any, copies: Sequence[tuple[ShardRecord, DeviceCop
       blocks.append((device, copy))
     plan.append((shape, sharding, blocks))
   joined: dict[int, list[jax.Array]] = {}
-  for _, _, blocks in plan:
+  for _, _, blocks in (p for p in plan if not isinstance(p, np.ndarray)):
     for _, copy in blocks:
       if id(copy._pieces) not in joined:
         shards = copy._pieces.joined()
         if shards is None:
           return None
         joined[id(copy._pieces)] = shards
-  out = []
-  for shape, sharding, blocks in plan:
+  out: list[Any] = []
+  for leaf in plan:
+    if isinstance(leaf, np.ndarray):
+      out.append(leaf.copy() if leaf.shape else leaf[()])
+      continue
+    shape, sharding, blocks = leaf
     arrays = []
     for device, copy in blocks:
       a = joined[id(copy._pieces)][copy._shard]

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from sidecar._src.arena.worker import TrainerProcess
 from sidecar._src.ckptfmt.records import ShardRecord
@@ -57,6 +58,7 @@ class JaxFramework(Framework):
   def restore_target(self, target: Any) -> RestoreTarget:
     return jax_checkpoint.restore_target(target)
 
-  def restore_on_device(self, target: Any, copies: Sequence[tuple[ShardRecord, DeviceCopy]]
+  def restore_on_device(self, target: Any,
+                        copies: Sequence[tuple[ShardRecord, DeviceCopy | np.ndarray]]
                         ) -> Any | None:
     return jax_checkpoint.restore_on_device(target, copies)

@@ -271,6 +271,76 @@ def test_a_save_not_staged_yet_is_rolled_back_to_from_its_copies_on_the_devices(
   assert jax_checkpoint.wait_for_splits(60)
 
 
+def test_a_state_with_host_and_replicated_leaves_not_staged_yet_is_rolled_back_to_from_the_devices(
+    copying_ctl, tmp_path, monkeypatch):
+  """A numpy leaf beside the jax.Arrays (a step counter, an RNG key kept on the host) and
+  a leaf replicated across two devices do not make the rollback wait for the copy: the
+  numpy leaf comes back as saved (a copy the save made, not the array the trainer goes on
+  changing), a fresh array; the replicated one from its one saved shard onto both devices."""
+  gate = tmp_path / "gate"
+  monkeypatch.setenv(env_lib.CKPT_FAULT, f"slowstage@6:{gate}")  # step 6 not staged till gate
+  device = jax.devices()[0]
+  one = jax.sharding.SingleDeviceSharding(device)
+  both = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("r",)), P())
+  target = {"w": jax.ShapeDtypeStruct((N,), jnp.float32, sharding=one),
+            "r": jax.ShapeDtypeStruct((8,), jnp.int32, sharding=both),
+            "key": np.zeros(2, np.uint32), "count": np.int64(0)}
+
+  def full(step):
+    return {"w": jax.device_put(np.full(N, step, np.float32), device),
+            "r": jax.device_put(np.arange(8, dtype=np.int32) + step, both),
+            "key": np.array([step, 7], np.uint32), "count": np.int64(step)}
+
+  donating = jax.jit(lambda a: a * 2 + 1, donate_argnums=0)  # each array on its devices
+  ctl = copying_ctl
+  with ctl.checkpointer(str(tmp_path / "ck")) as ckpt, open_feed(ctl) as feed:
+    recovery = sidecar.jax.Recovery(ckpt, feed, target=target)
+    for _ in range(SAVE_EVERY):
+      next(feed)
+    ckpt.save(3, full(3), data_state=feed.state()).durable.result(30)
+    for _ in range(SAVE_EVERY):
+      next(feed)
+    state = full(6)
+    six = ckpt.save(6, state, data_state=feed.state())
+    state["key"][:] = 99  # the trainer goes on changing its host arrays in place
+    next(feed)  # the batch of step 7, which fails
+    done = []
+    thread = threading.Thread(target=lambda: done.append(
+        recovery.recover(RuntimeError("step 7 failed"), step=7)))
+    thread.start()
+    try:
+      thread.join(20)  # the Stage of step 6 is held meanwhile: no waiting for it
+      assert done, "recover() waited for the save in flight to be staged"
+      assert not six.staged.done()
+    finally:
+      gate.touch()
+      thread.join(30)
+    [(step, restored)] = done
+    assert step == 6
+    [rollback] = recovery.rollbacks
+    assert (rollback.tier, rollback.staged_s) == ("device", 0.0)
+    np.testing.assert_array_equal(restored["key"], np.array([6, 7], np.uint32))
+    assert isinstance(restored["key"], np.ndarray) and restored["key"] is not state["key"]
+    assert restored["count"] == 6 and restored["count"].dtype == np.int64
+    assert restored["r"].sharding == both
+    for shard in restored["r"].addressable_shards:  # each device's, a copy of the one saved
+      np.testing.assert_array_equal(np.asarray(shard.data), np.arange(8) + 6)
+    restored["key"][:] = 0  # the trainer's own: the save's copy is not it
+    stepped = {k: donating(restored[k]) for k in ("w", "r")}  # nor the save's device copies
+    assert restored["w"].is_deleted() and restored["r"].is_deleted()
+    np.testing.assert_array_equal(np.asarray(stepped["w"]), np.full(N, 13, np.float32))
+    np.testing.assert_array_equal(np.asarray(stepped["r"]), (np.arange(8) + 6) * 2 + 1)
+    assert np.asarray(next(feed)["x"]).tolist() == batches(ctl, 7)[6]
+    ckpt.wait()  # and step 6 is staged and committed as saved
+    assert ckpt.latest_step() == 6
+    again = ckpt.restore(6, target)
+    np.testing.assert_array_equal(np.asarray(again["w"]), np.full(N, 6, np.float32))
+    np.testing.assert_array_equal(np.asarray(again["r"]), np.arange(8) + 6)
+    np.testing.assert_array_equal(again["key"], np.array([6, 7], np.uint32))
+    assert again["count"] == 6
+  assert jax_checkpoint.wait_for_splits(60)
+
+
 def test_a_step_rolled_back_to_whose_write_fails_later_is_raised_by_the_next_save(
     ctl, tmp_path, monkeypatch):
   gate = tmp_path / "gate"

@@ -49,6 +49,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from sidecar._src.arena import shm
 from sidecar._src.ckptfmt import registry as formats_lib, spec as spec_lib
 from sidecar._src.ckptfmt.records import ShardRecord
@@ -267,17 +269,19 @@ def key_value_driver(*, options: CheckpointOptions, peers: Peers, framework: Fra
 @dataclasses.dataclass(frozen=True, slots=True)
 class OnDevice:
   """A save's shards still on their way from this process's devices (its late
-  ``DeviceCopy``s), held by its runner until the save is staged: till then an in-process
-  rollback restores the step from them (``Driver.restore_on_device``) rather than wait
-  for the copy. ``data_state_json``: the data position saved with it."""
+  ``DeviceCopy``s) and a copy of its host values as saved (host arrays of their own),
+  held by its runner until the save is staged: till then an in-process rollback
+  restores the step from them (``Driver.restore_on_device``) rather than wait for the
+  copy. ``data_state_json``: the data position saved with it."""
   step: int
-  copies: tuple[tuple[ShardRecord, DeviceCopy], ...]
+  copies: tuple[tuple[ShardRecord, DeviceCopy | np.ndarray], ...]
   data_state_json: str
 
   def release(self) -> None:
     """The save is staged (or failed): each copy lets its device buffers go as they land."""
     for _, copy in self.copies:
-      copy.release()
+      if isinstance(copy, DeviceCopy):
+        copy.release()
 
 
 class Finishing:
@@ -418,14 +422,15 @@ class SaveRunner:
     staged: queue.SimpleQueue = queue.SimpleQueue()  # the lots, as copied
     lots = Lots(self.local, staged.put)
     try:
-      specs, copies = self._plan(tree)
+      specs, copies, host = self._plan(tree)
       need = self._check_fits(copies)
     except BaseException as e:
       if self._peers.count > 1:  # the other processes wait for this one's part: tell them
         staged.put(e)
         self._start_finisher(run, lots, staged, [], data_state_json).join()
       raise
-    self._hold(target.step, copies, data_state_json, ending)  # till the finisher stages it
+    self._hold(target.step, copies, host, data_state_json, ending)  # till it is staged
+    del host
     finisher = self._start_finisher(run, lots, staged, specs, data_state_json)
     try:
       self._allocate(copies, need)
@@ -445,13 +450,17 @@ class SaveRunner:
     if lots.stager is None:
       interrupts.wait_done(ending.handle.staged)
 
-  def _hold(self, step: int, copies: list[ShardCopy], data_state_json: str,
+  def _hold(self, step: int, copies: list[ShardCopy],
+            host: list[tuple[ShardRecord, np.ndarray]], data_state_json: str,
             ending: Ending) -> None:
-    """Holds the save's late copies (on the devices still) until it is staged."""
+    """Holds the save's late copies (on the devices still) until it is staged, and beside
+    them a copy of each host value of the state as saved (``host``: this process's, the
+    trainer's own arrays, which it may change once ``save()`` returned)."""
     late = tuple((c.record, c.data) for c in copies if isinstance(c.data, DeviceCopy))
     if not late:
       return
-    self.on_device = OnDevice(step, late, data_state_json)
+    kept = tuple((record, np.array(data, copy=True)) for record, data in host)
+    self.on_device = OnDevice(step, late + kept, data_state_json)
     # The callback stays with the handle (a Future keeps its callbacks): it lets go of
     # the copies once run, so that a copy that failed holds no device buffer after it.
     box: list[OnDevice | None] = [self.on_device]
@@ -485,15 +494,18 @@ class SaveRunner:
             f"the state does not fit host {host}'s arena now ({shm.format_size(need[host])} "
             f"to copy there): {e}; nothing was kept") from None
 
-  def _plan(self, tree: Any) -> tuple[list[spec_lib.LeafSpec], list[ShardCopy]]:
-    """Leaf specs, and a :class:`ShardCopy` for every shard to copy, each once.
+  def _plan(self, tree: Any) -> tuple[list[spec_lib.LeafSpec], list[ShardCopy],
+                                      list[tuple[ShardRecord, np.ndarray]]]:
+    """Leaf specs, a :class:`ShardCopy` for every shard to copy, each once, and the
+    shards of the host values (on no device) as this process holds them, process 0's
+    saved or not (``_hold`` keeps them for a rollback).
 
     The framework says which shards this process saves (of replicated ones only
     replica 0, by the process that holds it), each with its record; the plan only
     chooses the host that stages it: the host of its device, or, for those on no
     device, process 0's first host.
     """
-    specs, plan = [], []
+    specs, plan, host_values = [], [], []
     for i, leaf in enumerate(self._framework.save_leaves(tree)):
       specs.append(leaf.spec)
       for shard in leaf.shards:
@@ -505,6 +517,8 @@ class SaveRunner:
               "records each shard as ShardRecord.of(ShardId(key_path, index), the leaf's "
               "number, data), its host None (the save chooses it)")
         if shard.device_id is None:
+          if isinstance(shard.data, np.ndarray):
+            host_values.append((shard.record, shard.data))
           if self._lead:
             plan.append(ShardCopy(shard.record.on(self.local[0]), shard.data))
           continue
@@ -520,7 +534,7 @@ class SaveRunner:
               "on the live hosts' devices, a mesh of sidecar.elastic.devices(ctl, hosts) as "
               "the retried function builds it", host_id=host)
         plan.append(ShardCopy(shard.record.on(host), shard.data))
-    return specs, plan
+    return specs, plan, host_values
 
   def _check_fits(self, copies: list[ShardCopy]) -> dict[int, int]:
     """The arena bytes the copies take on each host; raises where they exceed a whole arena
