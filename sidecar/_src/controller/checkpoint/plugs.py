@@ -67,6 +67,7 @@ from sidecar._src.controller.peers import Peers
 from sidecar._src.core import errors, interrupts
 
 log = logging.getLogger(__name__)
+HOST_KEEP_BYTES = 64 << 20  # the most host values a save copies for a device rollback
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -269,10 +270,9 @@ def key_value_driver(*, options: CheckpointOptions, peers: Peers, framework: Fra
 @dataclasses.dataclass(frozen=True, slots=True)
 class OnDevice:
   """A save's shards still on their way from this process's devices (its late
-  ``DeviceCopy``s) and a copy of its host values as saved (host arrays of their own),
-  held by its runner until the save is staged: till then an in-process rollback
-  restores the step from them (``Driver.restore_on_device``) rather than wait for the
-  copy. ``data_state_json``: the data position saved with it."""
+  ``DeviceCopy``s) and its host values as saved (:func:`kept_host_values`), held until the
+  save is staged: till then a rollback restores the step from them
+  (``Driver.restore_on_device``), not waiting for the copy; with its data position."""
   step: int
   copies: tuple[tuple[ShardRecord, DeviceCopy | np.ndarray], ...]
   data_state_json: str
@@ -282,6 +282,15 @@ class OnDevice:
     for _, copy in self.copies:
       if isinstance(copy, DeviceCopy):
         copy.release()
+
+
+def kept_host_values(host: Sequence[tuple[ShardRecord, np.ndarray]]
+                     ) -> tuple[tuple[ShardRecord, np.ndarray], ...]:
+  """Copies of a save's host values, for a rollback from the devices; none past
+  :data:`HOST_KEEP_BYTES` (each save pays them: such a state rolls back from the RAM tier)."""
+  if sum(data.nbytes for _, data in host) > HOST_KEEP_BYTES:
+    return ()
+  return tuple((record, np.array(data, copy=True)) for record, data in host)
 
 
 class Finishing:
@@ -450,17 +459,14 @@ class SaveRunner:
     if lots.stager is None:
       interrupts.wait_done(ending.handle.staged)
 
-  def _hold(self, step: int, copies: list[ShardCopy],
-            host: list[tuple[ShardRecord, np.ndarray]], data_state_json: str,
-            ending: Ending) -> None:
-    """Holds the save's late copies (on the devices still) until it is staged, and beside
-    them a copy of each host value of the state as saved (``host``: this process's, the
-    trainer's own arrays, which it may change once ``save()`` returned)."""
+  def _hold(self, step: int, copies: list[ShardCopy], host: list[tuple[ShardRecord, Any]],
+            data_state_json: str, ending: Ending) -> None:
+    """Holds the save's late copies (on the devices still) until it is staged, and copies
+    of its ``host`` values (the trainer's arrays, which it may change once it returned)."""
     late = tuple((c.record, c.data) for c in copies if isinstance(c.data, DeviceCopy))
     if not late:
       return
-    kept = tuple((record, np.array(data, copy=True)) for record, data in host)
-    self.on_device = OnDevice(step, late + kept, data_state_json)
+    self.on_device = OnDevice(step, late + kept_host_values(host), data_state_json)
     # The callback stays with the handle (a Future keeps its callbacks): it lets go of
     # the copies once run, so that a copy that failed holds no device buffer after it.
     box: list[OnDevice | None] = [self.on_device]

@@ -11,6 +11,7 @@ import threading
 import numpy as np
 import pytest
 
+from sidecar._src.ckptfmt.records import ShardId, ShardRecord
 from sidecar._src.controller.checkpoint import plugs
 from sidecar._src.controller.framework import LocalShard, NumpyArrays, SaveLeaf
 from sidecar._src.core import errors
@@ -208,3 +209,17 @@ def test_a_forked_child_runs_its_finishers_on_threads_of_its_own():
     os._exit(0 if not done.is_alive() else 1)
   _, status = os.waitpid(pid, 0)
   assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_saves_host_values_are_kept_as_copies_up_to_a_bound(monkeypatch):
+  """A save keeps its host values for a rollback from the devices as copies of their own
+  (the trainer may change its arrays once save() returned), and none past
+  HOST_KEEP_BYTES: each save would pay that copy (such a state rolls back from the RAM
+  tier)."""
+  record = ShardRecord.of(ShardId(("key",), ((0, 2),)), 0, np.zeros(2, np.uint32))
+  value = np.array([6, 7], np.uint32)
+  [(kept_record, kept)] = plugs.kept_host_values([(record, value)])
+  value[:] = 99
+  assert kept_record is record and kept.tolist() == [6, 7]
+  monkeypatch.setattr(plugs, "HOST_KEEP_BYTES", value.nbytes - 1)
+  assert plugs.kept_host_values([(record, value)]) == ()
