@@ -44,7 +44,7 @@ from sidecar._src.ckptfmt.phases import Begin
 from sidecar._src.ckptfmt.records import CommitPlan, ShardRecord
 from sidecar._src.controller.checkpoint.client import FormatExtra
 from sidecar._src.controller.checkpoint.coordination import Begun, Coordination, describe
-from sidecar._src.controller.checkpoint.retention import Retention
+from sidecar._src.controller.checkpoint.retention import Retention, log
 from sidecar._src.controller.checkpoint.save_protocol import (
   BeginWithStage,
   SaveProtocol,
@@ -164,6 +164,9 @@ class SaveRun:
     # What the sidecars commit the step with, themselves (its last Stages carry it); None:
     # the trainers commit it.
     self.plan: CommitPlan | None = None
+    # Where the step was committed all the same after its save failed (its abort found it
+    # so, :meth:`finish`); None: it was not.
+    self.committed_at: str | None = None
 
   @property
   def step(self) -> int:
@@ -337,11 +340,26 @@ class SaveRun:
       if self.ending is not None:
         resolve(self.ending.handle.taken_over, None, False)
         resolve(self.ending.handle.staged, e, None)
+      if aborted and aborted[0]:  # the error stands; the step is told as any commit's
+        self.committed_at = aborted[0]
+        self._mark_committed_all_the_same(plan)
       raise
     # An Orbax manager's item is marked when the manager commits; the committer of a step
     # the sidecars took over marked it itself (the others learn it, and are told here).
     if self.target.whole_step:
       self.mark_committed([h for h in self.local if plan is None or h != plan.committer])
+
+  def _mark_committed_all_the_same(self, plan: CommitPlan | None) -> None:
+    """The RAM tiers a commit tells (:meth:`finish`) learn of a step committed all the
+    same; where they cannot, the save's own error is the trainer's still (logged)."""
+    if not self.target.whole_step:
+      return
+    try:
+      self.mark_committed([h for h in self.local if plan is None or h != plan.committer])
+    except errors.SidecarError as e:
+      log.warning("step %d was committed all the same, but the RAM tiers of hosts %s could "
+                  "not be told: %s; restores read it from storage", self.step, self.local,
+                  str(e))
 
   def _await_commit(self, plan: CommitPlan, others: Sequence[int]) -> None:
     """The sidecars' commit of the step they took over (``others`` is theirs to gather)."""
@@ -397,7 +415,7 @@ class SaveRun:
     if e is None:
       return
     r = e.retention if self.target.whole_step else None
-    end_save(e.handle, error,
+    end_save(e.handle, error, committed=self.committed_at is not None,
              listed=functools.partial(r.add, self.step) if r is not None else None,
              collect_garbage=r.collect if r is not None else None,
              replication=self.replication_error, peers=e.peers, key=e.key)
@@ -425,21 +443,22 @@ def settle_replicated(future: concurrent.futures.Future, step: int, mine: BaseEx
 
 def end_save(handle: SaveHandle, error: BaseException | None, *,
              listed: Callable[[], None] | None, collect_garbage: Callable[[], None] | None,
-             replication: Callable[[], BaseException | None], peers: Peers, key: str) -> None:
+             replication: Callable[[], BaseException | None], peers: Peers, key: str,
+             committed: bool = False) -> None:
   """The end of one save in one process, whichever framework's: ``durable`` fails with
   ``error``, or the step is listed (``listed``), ``durable`` resolves and the steps no
   longer kept are deleted (no part of this save's time); then ``replicated`` settles,
   once every process knows how its replication went (``replication()``: this process's
-  outcome, waited for). Blocks: a save's own thread calls it."""
+  outcome, waited for). ``committed``: the step was committed all the same (its abort
+  found it so): listed and its old steps deleted as any commit's, ``durable`` failing
+  with ``error``. Blocks: a save's own thread calls it."""
   resolve(handle.taken_over, None, False)  # unless its stage said so (SaveRun.stage)
-  if error is not None:
-    resolve(handle.durable, error, None)
-  else:
-    if listed is not None:
-      listed()
-    resolve(handle.durable, None, handle.step)
-    if collect_garbage is not None:
-      collect_garbage()
+  listing = error is None or committed
+  if listing and listed is not None:
+    listed()
+  resolve(handle.durable, error, handle.step)
+  if listing and collect_garbage is not None:
+    collect_garbage()
   if not handle.replicated.done():
     settle_replicated(handle.replicated, handle.step,
                       error if error is not None else replication(), peers=peers, key=key)

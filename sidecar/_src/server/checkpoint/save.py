@@ -452,10 +452,9 @@ class StepWriter:
         committed = fmt.commit(tmp_dir, manifest, leaves=leaves, num_hosts=num_hosts,
                                whole_step=whole_step, extra=extra,
                                swapping=lambda: faults.mid_commit(step))
-      except OSError as e:  # a disk's (EIO, ENOSPC): typed wherever the decision goes
-        if isinstance(e, FileExistsError):  # committed meanwhile: not the disk's
-          raise
-        raise write_lib.write_failure(self._host_id, step, own.final_dir, e) from None
+      except OSError as e:  # typed wherever the decision goes (a disk's EIO, ENOSPC too)
+        raise (write_lib.made_meanwhile("commit", e) if isinstance(e, FileExistsError)
+               else write_lib.write_failure(self._host_id, step, own.final_dir, e)) from None
     finally:
       own.commit_gate.end(committed if whole_step else "")  # an item: its manager commits it
     if fmt.commit_extra is not None:  # kept in host memory (a DCP step's): info() answers it,

@@ -130,3 +130,36 @@ def test_a_trainer_that_stages_inline_is_told_why_its_write_failed_mid_save(
     ckpt.save(3, state(3.0)).durable.result(60)  # the next save works
     restored = ckpt.restore(3, target=abstract(state(3.0)))
     np.testing.assert_array_equal(restored["c"], np.full(1 << 14, 5.0, np.float32))
+
+
+def test_a_step_committed_all_the_same_after_its_save_failed_is_listed_and_kept(
+    make_server, tmp_path, monkeypatch, caplog):
+  """Step 2's commit by the sidecar is held at its rename while the trainer's wait for it
+  gives up (its deadline made short): the trainer aborts the step, which its sidecar
+  commits all the same. The save's error stands (saying so), and the checkpointer lists
+  step 2 at once as a commit does, max_to_keep dropping step 1 (it listed [1] until the
+  directory's next open)."""
+  import logging
+
+  from sidecar._src.controller.checkpoint import save_protocol
+  from sidecar._src.server.checkpoint.faults import FAULT_ENV
+  release = tmp_path / "release"
+  monkeypatch.setenv(FAULT_ENV, f"slowrename@2:{release}")
+  caplog.set_level(logging.INFO, logger="sidecar")
+  server = make_server(shm_size=16 << 20, device_ids=(0,))
+  one = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("data",)), P())
+  state = {"w": jax.device_put(jnp.ones((256, 128), jnp.float32), one)}
+  with sidecar.jax.Controller([f"127.0.0.1:{server.port}"]) as ctl, \
+      ctl.checkpointer(tmp_path / "ck", replicas=0, max_to_keep=1) as ckpt:
+    ckpt.save(1, state).durable.result(60)
+    monkeypatch.setattr(save_protocol, "LONG_S", 2.0)  # the trainer's wait for the commit
+    ckpt.save(2, state)
+    assert eventually(lambda: "waits for its commit under way" in caplog.text, 60)
+    release.touch()
+    with pytest.raises(sidecar.SidecarError) as raised:
+      ckpt.wait()
+    assert any("step 2 was committed all the same" in n for n in raised.value.__notes__)
+    assert ckpt.all_steps() == [2] and ckpt.latest_step() == 2
+    assert eventually(lambda: not (tmp_path / "ck" / "1").exists())
+    restored = ckpt.restore(2, target=abstract(state))
+    np.testing.assert_array_equal(np.asarray(restored["w"]), np.ones((256, 128)))

@@ -156,3 +156,40 @@ def test_a_disk_error_in_the_sidecars_commit_is_a_checkpoint_write_error_everywh
       ("CheckpointWriteError", said)] * 2, decided
   assert [(d.errno, d.path, d.host_id) for d in decided] == [(errno.EIO, str(tmp_step), 0)] * 2
   assert not (pathlib.Path(directory) / str(STEP)).exists()
+
+
+def test_a_step_committed_meanwhile_is_a_permission_denied_error_everywhere(
+    two_hosts, tmp_path, monkeypatch, caplog):
+  """Another checkpointer committed the step while the committer's commit was under way
+  (its directory made just before the rename): the step is abandoned, and its error is the
+  typed PermissionDeniedError naming the directory, with the fix, in the committer's
+  decision, in host 1's (told over Agree) and at the trainer (it was a raw FileExistsError
+  in the decisions)."""
+  raws, _ = two_hosts
+  directory = str(tmp_path / "ck")
+  tmp_step = pathlib.Path(f"{directory}/{STEP}.orbax-checkpoint-tmp")
+  target = Target.for_step(formats_lib.DEFAULT.get("orbax"), directory, STEP).begun(
+      str(tmp_step))
+  release = tmp_path / "release"
+  monkeypatch.setenv(faults.FAULT_ENV, f"slowrename@{STEP}:{release}")
+  caplog.set_level(logging.INFO, logger="sidecar")
+  for host, raw in enumerate(raws):
+    stage(raw, host, directory, pathlib.Path(target.tmp_dir), target.final_dir)
+  assert eventually(lambda: (tmp_step / COMMIT_SUCCESS_FILE).is_file(), 30)
+  final = pathlib.Path(directory) / str(STEP)
+  final.mkdir()  # the other checkpointer's step
+  release.touch()
+  said = (f"commit: step {STEP} was committed meanwhile at {final}: another checkpointer "
+          "made or committed it meanwhile (two jobs saving into one directory?); save each "
+          "step of a directory from one checkpointer")
+  error = rejected(lambda: raws[0].ckpt.Commit(ckpt_pb.CheckpointCommitRequest(
+      tmp_dir=target.tmp_dir, step=STEP, num_hosts=1, taken_over=True),
+      metadata=raws[0].metadata, timeout=30))
+  e = protocol_lib.error_from_rpc(error, host="host 0")
+  assert isinstance(e, errors.PermissionDeniedError), error.details()
+  assert str(e) == said
+  assert eventually(lambda: "abandoned by the sidecars, never listed" in caplog.text, 30)
+  decided = [r.args[1] for r in caplog.records if "never listed" in r.getMessage()]
+  assert [(type(d).__name__, str(d)) for d in decided] == [
+      ("PermissionDeniedError", said)] * 2, decided
+  assert list(final.iterdir()) == []  # theirs, untouched

@@ -159,6 +159,32 @@ def test_a_step_its_committer_committed_before_the_abort_came_is_left_whole_and_
       "before the abort reached it; restores see it")
 
 
+def test_a_step_committed_all_the_same_is_listed_kept_and_told_as_any_commits():
+  """Its save failed, yet its abort found the step committed: the checkpointer's retention
+  lists it and drops what max_to_keep no longer keeps, the RAM tiers are told it is
+  committed (as a commit tells them), and the trainer's ``durable`` still fails."""
+  from sidecar._src.ckptfmt.registry import ORBAX
+  from sidecar._src.controller.checkpoint.retention import Retention
+  fake = CommittedAtAbort([0, 1])
+  fake.steps["/ckpt"] = {1, 2}
+  fake.fail["commit"] = errors.DeadlineExceededError("commit: no answer after 3600 s")
+  target = Target.for_step(DEFAULT.get(ORBAX), "/ckpt", 3)
+  handle = SaveHandle(3, concurrent.futures.Future(), concurrent.futures.Future())
+  retention = Retention(client=fake, directory="/ckpt", local=[0, 1], lead=True,
+                        max_to_keep=1, keep_period=None, steps=[1, 2])
+  run = SaveRun(SaveProtocol(client=fake, directory="/ckpt", format=ORBAX), target,
+                hosts=[0, 1], local=[0, 1], placement={}, bandwidth=None,
+                coordination=Coordinator(), ending=Ending(handle, LocalPeers(), "k", retention))
+  run.begin()
+  with pytest.raises(errors.DeadlineExceededError, match="no answer") as raised:
+    run.finish()
+  run.end(raised.value)
+  assert retention.all() == [3] and fake.steps["/ckpt"] == set()
+  assert fake.told == [(0, target.final_dir, ""), (1, target.final_dir, "")]
+  with pytest.raises(errors.DeadlineExceededError, match="no answer"):
+    handle.durable.result(0)
+
+
 def test_a_key_value_run_of_one_process_begins_stages_commits_and_ends_on_its_thread():
   from sidecar._src.ckptfmt.registry import ORBAX
   from sidecar._src.controller.checkpoint.retention import Retention
