@@ -67,7 +67,7 @@ from sidecar._src.controller.peers import Peers
 from sidecar._src.core import errors, interrupts
 
 log = logging.getLogger(__name__)
-HOST_KEEP_BYTES = 64 << 20  # the most host values a save copies for a device rollback
+NUMPY_KEEP_BYTES = 64 << 20  # the most numpy values a save copies for a device rollback
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -270,7 +270,7 @@ def key_value_driver(*, options: CheckpointOptions, peers: Peers, framework: Fra
 @dataclasses.dataclass(frozen=True, slots=True)
 class OnDevice:
   """A save's shards still on their way from this process's devices (its late
-  ``DeviceCopy``s) and its host values as saved (:func:`kept_host_values`), held until the
+  ``DeviceCopy``s) and its host values as saved (:func:`kept_numpy_values`), held until the
   save is staged: till then a rollback restores the step from them
   (``Driver.restore_on_device``), not waiting for the copy; with its data position."""
   step: int
@@ -284,11 +284,11 @@ class OnDevice:
         copy.release()
 
 
-def kept_host_values(host: Sequence[tuple[ShardRecord, np.ndarray]]
+def kept_numpy_values(host: Sequence[tuple[ShardRecord, np.ndarray]]
                      ) -> tuple[tuple[ShardRecord, np.ndarray], ...]:
   """Copies of a save's host values, for a rollback from the devices; none past
-  :data:`HOST_KEEP_BYTES` (each save pays them: such a state rolls back from the RAM tier)."""
-  if sum(data.nbytes for _, data in host) > HOST_KEEP_BYTES:
+  :data:`NUMPY_KEEP_BYTES` (each save pays them: such a state rolls back from the RAM tier)."""
+  if sum(data.nbytes for _, data in host) > NUMPY_KEEP_BYTES:
     return ()
   return tuple((record, np.array(data, copy=True)) for record, data in host)
 
@@ -466,7 +466,7 @@ class SaveRunner:
     late = tuple((c.record, c.data) for c in copies if isinstance(c.data, DeviceCopy))
     if not late:
       return
-    self.on_device = OnDevice(step, late + kept_host_values(host), data_state_json)
+    self.on_device = OnDevice(step, late + kept_numpy_values(host), data_state_json)
     # The callback stays with the handle (a Future keeps its callbacks): it lets go of
     # the copies once run, so that a copy that failed holds no device buffer after it.
     box: list[OnDevice | None] = [self.on_device]

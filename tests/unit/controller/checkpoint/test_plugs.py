@@ -214,12 +214,12 @@ def test_a_forked_child_runs_its_finishers_on_threads_of_its_own():
 def test_a_saves_host_values_are_kept_as_copies_up_to_a_bound(monkeypatch):
   """A save keeps its host values for a rollback from the devices as copies of their own
   (the trainer may change its arrays once save() returned), and none past
-  HOST_KEEP_BYTES: each save would pay that copy (such a state rolls back from the RAM
+  NUMPY_KEEP_BYTES: each save would pay that copy (such a state rolls back from the RAM
   tier)."""
   record = ShardRecord.of(ShardId(("key",), ((0, 2),)), 0, np.zeros(2, np.uint32))
   value = np.array([6, 7], np.uint32)
-  [(kept_record, kept)] = plugs.kept_host_values([(record, value)])
+  [(kept_record, kept)] = plugs.kept_numpy_values([(record, value)])
   value[:] = 99
   assert kept_record is record and kept.tolist() == [6, 7]
-  monkeypatch.setattr(plugs, "HOST_KEEP_BYTES", value.nbytes - 1)
-  assert plugs.kept_host_values([(record, value)]) == ()
+  monkeypatch.setattr(plugs, "NUMPY_KEEP_BYTES", value.nbytes - 1)
+  assert plugs.kept_numpy_values([(record, value)]) == ()
