@@ -440,8 +440,8 @@ def watch_one(proc: subprocess.Popen, host: int, addresses: Callable[[], Mapping
   (:meth:`Watchdog.report`: process 0's ledger counts the stall, not a crash), and
   :data:`stall.EXIT_CODE`; else its return code (-N for signal N, as
   ``Popen.returncode``)."""
-  dog = Watchdog(lambda: {h: a for h, a in addresses().items() if h == host}, token=token,
-                 say=say, poll_s=poll_s)
+  own = {h: a for h, a in addresses().items() if h == host}  # read once, as polled often
+  dog = Watchdog(lambda: own, token=token, say=say, poll_s=poll_s)
   while True:
     try:
       return proc.wait(timeout=poll_s)
