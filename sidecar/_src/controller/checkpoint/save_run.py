@@ -33,6 +33,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import logging
 import queue
 import time
 import uuid
@@ -44,7 +45,7 @@ from sidecar._src.ckptfmt.phases import Begin
 from sidecar._src.ckptfmt.records import CommitPlan, ShardRecord
 from sidecar._src.controller.checkpoint.client import FormatExtra
 from sidecar._src.controller.checkpoint.coordination import Begun, Coordination, describe
-from sidecar._src.controller.checkpoint.retention import Retention, log
+from sidecar._src.controller.checkpoint.retention import Retention
 from sidecar._src.controller.checkpoint.save_protocol import (
   BeginWithStage,
   SaveProtocol,
@@ -53,6 +54,8 @@ from sidecar._src.controller.checkpoint.save_protocol import (
 from sidecar._src.controller.checkpoint.staging import Lots, ShardCopy, allocate, copy_in
 from sidecar._src.controller.peers import Peers, sync_timeout
 from sidecar._src.core import errors
+
+log = logging.getLogger(__name__)
 
 
 class Durable(concurrent.futures.Future):
@@ -325,6 +328,10 @@ class SaveRun:
     aborted: list[str | None] = []  # where the abort found the step committed, if it ran
     # Asked first (``SaveProtocol.abort``): the sidecars' committer, or the one we commit through.
     committer = plan.committer if plan is not None else self.local[0] if self.local else None
+    # The RAM tiers a commit tells: an Orbax manager's item is marked when the manager
+    # commits; the committer of a step the sidecars took over marked it itself.
+    told = [h for h in self.local if plan is None or h != plan.committer] if (
+        self.target.whole_step) else []
     try:
       self._coordination.commit(self.step, error, commit, lambda: aborted.append(
           self.protocol.abort(self.target, self.hosts, committer=committer)))
@@ -342,23 +349,18 @@ class SaveRun:
         resolve(self.ending.handle.staged, e, None)
       if aborted and aborted[0]:  # the error stands; the step is told as any commit's
         self.committed_at = aborted[0]
-        self._mark_committed_all_the_same(plan)
+        self._mark_committed_all_the_same(told)
       raise
-    # An Orbax manager's item is marked when the manager commits; the committer of a step
-    # the sidecars took over marked it itself (the others learn it, and are told here).
-    if self.target.whole_step:
-      self.mark_committed([h for h in self.local if plan is None or h != plan.committer])
+    self.mark_committed(told)
 
-  def _mark_committed_all_the_same(self, plan: CommitPlan | None) -> None:
+  def _mark_committed_all_the_same(self, told: Sequence[int]) -> None:
     """The RAM tiers a commit tells (:meth:`finish`) learn of a step committed all the
     same; where they cannot, the save's own error is the trainer's still (logged)."""
-    if not self.target.whole_step:
-      return
     try:
-      self.mark_committed([h for h in self.local if plan is None or h != plan.committer])
+      self.mark_committed(told)
     except errors.SidecarError as e:
       log.warning("step %d was committed all the same, but the RAM tiers of hosts %s could "
-                  "not be told: %s; restores read it from storage", self.step, self.local,
+                  "not be told: %s; restores read it from storage", self.step, list(told),
                   str(e))
 
   def _await_commit(self, plan: CommitPlan, others: Sequence[int]) -> None:
