@@ -29,9 +29,8 @@ class CommitGate:
   def __init__(self, step: int, final_dir: str):
     self._step, self._final_dir = step, final_dir
     self._lock = threading.Lock()
-    self._ended = threading.Event()  # set while no commit runs
+    self._ended = threading.Event()  # set while no commit runs (changed under the lock)
     self._ended.set()
-    self._committing = False
     self._aborted = False  # its trainers aborted it: no commit of it begins any more
     self._committed_to = ""  # where its commit put it on storage, once one did
 
@@ -49,7 +48,7 @@ class CommitGate:
       ClosedError: its trainers aborted it (:meth:`abort`): it is not committed.
     """
     with self._lock:
-      if self._committing or self._committed_to:
+      if not self._ended.is_set() or self._committed_to:
         raise errors.PermissionDeniedError(
             f"commit: step {self._step} at {self._final_dir!r:.200} is being committed "
             f"already{f' or was, at {self._committed_to!r:.200}' if self._committed_to else ''}"
@@ -59,7 +58,6 @@ class CommitGate:
             f"commit: the save of step {self._step} at {self._final_dir!r:.200} was aborted "
             "by its trainers before its commit began: it is not committed (a restore takes "
             "the last committed step); save the step again")
-      self._committing = True
       self._ended.clear()
 
   def end(self, committed: str = "") -> None:
@@ -67,9 +65,8 @@ class CommitGate:
     storage (it is committed there); "": it did not (it failed, or committed an item that
     its Orbax CheckpointManager commits)."""
     with self._lock:
-      self._committing = False
       self._committed_to = committed
-    self._ended.set()
+      self._ended.set()
 
   def abort(self, timeout: float) -> str:
     """No commit of it begins from now on, and one under way is waited for, at most
