@@ -18,7 +18,6 @@ import errno
 import functools
 import logging
 import math
-import os
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -34,7 +33,7 @@ from sidecar._src.server import metrics as metrics_lib
 from sidecar._src.server.arenas.arena_io import ArenaIO
 from sidecar._src.server.checkpoint import copies, links as links_lib, ram_yield, roots as roots_lib
 from sidecar._src.server.checkpoint.checkpoints import Checkpoints
-from sidecar._src.server.checkpoint.write import made_meanwhile
+from sidecar._src.server.checkpoint.write import made_meanwhile, os_error_text
 from sidecar._src.server.limits import CheckpointSlots, InlineBytes, Sessions, Slots
 from sidecar._src.server.tenancy import tenants as tenants_lib
 from sidecar._src.wire import checkpoint_wire as wire, codec, pbscan, protocol
@@ -153,11 +152,7 @@ def _documented(rpc: str, e: Exception) -> Exception:
   if isinstance(e, OSError):
     if isinstance(e, FileExistsError):  # (the sidecars' own commit raises it typed)
       return made_meanwhile(rpc, e)
-    # One raised with a message only has no strerror: its message crosses, never its
-    # class's name.
-    what = (e.strerror or (os.strerror(e.errno) if e.errno else "") or str(e)
-            or "an error the system did not describe")
-    where = f" ({e.filename})" if e.filename else ""
+    what, where = os_error_text(e)
     if e.errno in (errno.ELOOP, errno.EACCES, errno.EPERM, errno.ENOTDIR):
       return errors.PermissionDeniedError(
           f"{rpc}: the sidecar may not use a path of this checkpoint{where}: {what}; "

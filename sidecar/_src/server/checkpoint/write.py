@@ -103,16 +103,21 @@ def write_step(own: step_lib.Step, fmt: Format, *, host_id: int, tier: ram_tier.
 
 def made_meanwhile(rpc: str, e: FileExistsError) -> errors.PermissionDeniedError:
   """The error of ``rpc`` whose step directory another checkpointer made or committed
-  meanwhile (``e``: raised with a message only, FileExistsError("step 3 was committed
-  meanwhile at ..."), whose message then crosses, never its class's name; or with its
-  errno and file)."""
-  what = (e.strerror or (os.strerror(e.errno) if e.errno else "") or str(e)
-          or "an error the system did not describe")
-  where = f" ({e.filename})" if e.filename else ""
+  meanwhile (``e``, told as :func:`os_error_text` says it)."""
+  what, where = os_error_text(e)
   return errors.PermissionDeniedError(
       f"{rpc}: {what}{where}: another checkpointer made or committed it meanwhile (two "
       "jobs saving into one directory?); save each step of a directory from one "
       "checkpointer")
+
+
+def os_error_text(e: OSError) -> tuple[str, str]:
+  """What ``e`` says, and where (" (FILE)", or ""): one raised with a message only
+  (FileExistsError("step 3 was committed meanwhile at ...")) has no strerror, and its
+  message crosses, never its class's name."""
+  what = (e.strerror or (os.strerror(e.errno) if e.errno else "") or str(e)
+          or "an error the system did not describe")
+  return what, f" ({e.filename})" if e.filename else ""
 
 
 def write_failure(host_id: int, step: int, final_dir: str, e: BaseException, *,
