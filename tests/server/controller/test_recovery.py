@@ -157,6 +157,25 @@ def test_a_failure_before_any_commit_is_raised_naming_why(ctl, tmp_path):
   assert any("failed before any step was committed" in n for n in raised.value.__notes__)
 
 
+def recover_while_held(recovery, release, *, held, within, waiting_for):
+  """recover() of step 7's failure, on a thread of its own, while the save in flight is
+  held: it returns within ``within`` s and ``held()`` is still true (it did not wait for
+  ``waiting_for``); then ``release()`` lets the save go. Returns recover()'s answer."""
+  done = []
+  thread = threading.Thread(target=lambda: done.append(
+      recovery.recover(RuntimeError("step 7 failed"), step=7)))
+  thread.start()
+  try:
+    thread.join(within)
+    assert done, f"recover() waited for {waiting_for}"
+    assert held()
+  finally:
+    release()
+    thread.join(30)
+  [answer] = done
+  return answer
+
+
 def save_3_and_6(ckpt, feed):
   """Saves steps 3 and 6 (``w`` full of the step), each after SAVE_EVERY batches, and takes
   batch 7 (the step that fails)."""
@@ -177,18 +196,10 @@ def test_a_save_in_flight_taken_over_is_rolled_back_to_without_waiting_for_its_w
   with ctl.checkpointer(str(tmp_path / "ck")) as ckpt, open_feed(ctl) as feed:
     recovery = sidecar.jax.Recovery(ckpt, feed, target=TARGET)
     save_3_and_6(ckpt, feed)
-    done = []
-    thread = threading.Thread(target=lambda: done.append(
-        recovery.recover(RuntimeError("step 7 failed"), step=7)))
-    thread.start()
-    try:
-      thread.join(30)  # the write of step 6 is held meanwhile: no waiting for it
-      assert done, "recover() waited for the write of the save in flight"
-      assert ckpt.latest_step() == 3  # step 6 is not durable yet
-    finally:
-      gate.touch()
-      thread.join(30)
-    [(step, restored)] = done
+    # The write of step 6 is held meanwhile (step 6 not durable yet): no waiting for it.
+    step, restored = recover_while_held(
+        recovery, gate.touch, held=lambda: ckpt.latest_step() == 3, within=30,
+        waiting_for="the write of the save in flight")
     assert step == 6
     np.testing.assert_array_equal(np.asarray(restored["w"]), np.full(N, 6, np.float32))
     [rollback] = recovery.rollbacks
@@ -237,20 +248,16 @@ def test_a_save_not_staged_yet_is_rolled_back_to_from_its_copies_on_the_devices(
     [(_, copy)] = ckpt._driver.runner.on_device.copies  # held till staged, off the device
     assert len(copy._rows) == (4 if pieces else 1)
     next(feed)  # the batch of step 7, which fails
-    done = []
-    thread = threading.Thread(target=lambda: done.append(
-        recovery.recover(RuntimeError("step 7 failed"), step=7)))
-    thread.start()
-    try:
-      thread.join(20)  # the Stage of step 6 is held meanwhile: no waiting for it
-      assert done, "recover() waited for the save in flight to be staged"
-      assert not six.staged.done()
-    finally:
+
+    def release():
       gate.touch()
       if not pieces:
         held.set()
-      thread.join(30)
-    [(step, restored)] = done
+
+    # The Stage of step 6 is held meanwhile: no waiting for it.
+    step, restored = recover_while_held(
+        recovery, release, held=lambda: not six.staged.done(), within=20,
+        waiting_for="the save in flight to be staged")
     assert step == 6
     [rollback] = recovery.rollbacks
     assert (rollback.tier, rollback.durable, rollback.staged_s, rollback.waited_s) == (
@@ -304,18 +311,10 @@ def test_a_state_with_host_and_replicated_leaves_not_staged_yet_is_rolled_back_t
     six = ckpt.save(6, state, data_state=feed.state())
     state["key"][:] = 99  # the trainer goes on changing its host arrays in place
     next(feed)  # the batch of step 7, which fails
-    done = []
-    thread = threading.Thread(target=lambda: done.append(
-        recovery.recover(RuntimeError("step 7 failed"), step=7)))
-    thread.start()
-    try:
-      thread.join(20)  # the Stage of step 6 is held meanwhile: no waiting for it
-      assert done, "recover() waited for the save in flight to be staged"
-      assert not six.staged.done()
-    finally:
-      gate.touch()
-      thread.join(30)
-    [(step, restored)] = done
+    # The Stage of step 6 is held meanwhile: no waiting for it.
+    step, restored = recover_while_held(
+        recovery, gate.touch, held=lambda: not six.staged.done(), within=20,
+        waiting_for="the save in flight to be staged")
     assert step == 6
     [rollback] = recovery.rollbacks
     assert (rollback.tier, rollback.staged_s) == ("device", 0.0)
