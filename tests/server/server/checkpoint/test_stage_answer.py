@@ -31,7 +31,10 @@ def test_a_stage_that_begins_its_step_resolves_its_directory_once(make_server, t
                 timeout=10)
   full = []
   realpath = os.path.realpath
-  monkeypatch.setattr(roots_lib.os.path, "realpath", lambda p: full.append(p) or realpath(p))
+  # Each call with its thread: the step's writer, started once the Stage answered, may
+  # resolve paths of its own (PosixPaths too) while this test reads the list.
+  monkeypatch.setattr(roots_lib.os.path, "realpath",
+                      lambda p: full.append((threading.get_ident(), str(p))) or realpath(p))
   leaf = LeafSpec(key_path=("w",), shape=(8,), dtype=np.dtype(np.float32),
                   kind=LeafKind.NUMPY)
   request = ckpt_pb.CheckpointStageRequest(
@@ -40,7 +43,9 @@ def test_a_stage_that_begins_its_step_resolves_its_directory_once(make_server, t
   wire.staged_to_pb(request, [staged(("w",), 0, ((0, 8),), np.ones(8, np.float32))], None)
   answer = raw.ckpt.Stage(request, metadata=raw.metadata, timeout=10)
   assert answer.staged_bytes == 32
-  mine = [p for p in full if p.startswith(directory)]
+  calls = list(full)
+  handler = next(t for t, p in calls if p == directory)  # the Stage's, which resolved it first
+  mine = [p for t, p in calls if t == handler and p.startswith(directory)]
   assert mine == [directory], mine  # the others below it: their last parts lstat-ed
   assert eventually(lambda: os.path.exists(f"{tmp}/_CHECKPOINT_METADATA"))  # written on
 
