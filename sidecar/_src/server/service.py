@@ -420,7 +420,7 @@ def _read_credits(requests: Iterator[bytes], credits: Credits,
   try:
     for raw in requests:
       message = codec.parse(pb.StreamRequest, raw)
-      credits.grant(message.credit, message.wait_s)
+      credits.grant(message.credit, message.wait_s, message.saved_state_json)
       if message.credit:
         on_taken(message.credit)
   except Exception:
