@@ -133,7 +133,7 @@ def checksum(arrays: Iterator[np.ndarray]) -> int:
   """crc32c over ``arrays``' bytes, in order."""
   crc = 0
   for a in arrays:
-    crc = crc32c.crc32c(memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8)), crc)
+    crc = crc32c.crc32c(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data, crc)
   return crc
 
 
@@ -274,6 +274,11 @@ class Replay:
       if key is not None:
         return len(self._kept.get(key, {}))
       return sum(len(kept) for kept in self._kept.values())
+
+  def positions(self, key: FeedKey | None = None) -> list[Position]:
+    """Where the kept batches follow (of ``key`` only, if given), sorted."""
+    with self._lock:
+      return sorted(p for k, kept in self._kept.items() if key in (None, k) for p in kept)
 
   def close(self) -> None:
     """Lets go of every kept batch; idempotent."""
