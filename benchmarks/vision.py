@@ -168,7 +168,9 @@ def main(argv: list[str] | None = None) -> int:
   record("bound", figures)
   with sidecar.jax.Controller.from_env() as ctl:
     for n in [int(x) for x in args.workers.split(",") if x]:
-      options = sidecar.FeedOptions(workers=n, prefetch=args.prefetch)
+      # replay=0: each feed opens at the start, where the one before kept its batches
+      # (the same pipeline, arguments and seed): they would be served, not decoded.
+      options = sidecar.FeedOptions(workers=n, prefetch=args.prefetch, replay=0)
       with ctl.feed("vision", global_batch_size=config.batch_size, sharding=rows,
                     kwargs={"data": data, "image_size": config.image_size},
                     options=options) as feed:
