@@ -99,8 +99,8 @@ def decode_augment(jpeg: bytes, rng: np.random.Generator, *, size: int,
     image.draft("RGB", (width // scale, height // scale))
     got = image.size[0] / width
     box = tuple(int(round(v * got)) for v in box)  # type: ignore[assignment]
-  image = image.convert("RGB").resize((size, size), Image.Resampling.BILINEAR, box=box)
-  out = np.asarray(image, dtype=np.uint8)
+  resized = image.convert("RGB").resize((size, size), Image.Resampling.BILINEAR, box=box)
+  out = np.asarray(resized, dtype=np.uint8)
   return np.ascontiguousarray(out[:, ::-1]) if flip else out
 
 

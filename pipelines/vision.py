@@ -157,7 +157,7 @@ def example(record: tuple[bytes, int], *, index: int, seed: int, image_size: int
   jpeg, label = record
   rng = np.random.default_rng([seed, index])
   return {"image": images.decode_augment(jpeg, rng, size=image_size, train=train),
-          "label": np.int32(label)}
+          "label": np.asarray(label, np.int32)}
 
 
 def images_identity(ctx: sidecar.PipelineContext, *, data: str, image_size: int,

@@ -100,7 +100,7 @@ def test_an_element_is_a_function_of_seed_and_index(data):
   other = vision.example(records[3], index=3, seed=6, image_size=16, train=True)
   np.testing.assert_array_equal(one["image"], again["image"])
   assert not np.array_equal(one["image"], other["image"])
-  assert one["label"] == np.int32(pairs[3][1]) and one["label"].dtype == np.int32
+  assert one["label"] == pairs[3][1] and one["label"].dtype == np.int32
 
 
 def test_the_pipeline_is_a_map_dataset_of_decoded_elements(data):
