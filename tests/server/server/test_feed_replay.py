@@ -108,6 +108,21 @@ def test_the_batches_before_a_save_go_at_the_save(server, ctl, tmp_path):
     ckpt.save(6, {"w": np.zeros(4, np.float32)}, data_state=feed.state())
     take(feed, 1)
     assert eventually(lambda: server.replay.positions()[0] == (0, 24))
+    # A save with another feed's state (or none of ours) drops nothing of this one's.
+    with open_feed(ctl, seed=1) as other:
+      take(other, 1)
+      ckpt.save(7, {"w": np.zeros(4, np.float32)}, data_state=other.state())
+    ckpt.save(8, {"w": np.zeros(4, np.float32)}, data_state={"epoch": 0, "position": 400})
+    ckpt.save(9, {"w": np.zeros(4, np.float32)})
+    take(feed, 3)
+    assert server.replay.positions(replay_key(server, seed=0))[0] == (0, 24)
+
+
+def replay_key(server, *, seed):
+  """The key of this module's "counted" feeds of ``seed`` that the sidecar keeps batches of."""
+  keys = [k for k in server.replay._kept if k.seed == seed and k.pipeline == "counted"]
+  assert len(keys) == 1, keys
+  return keys[0]
 
 
 def test_no_more_than_replay_batches_are_kept_the_oldest_since_the_save(server, ctl):

@@ -263,6 +263,11 @@ class Replay:
                f" of tenant {tenant!r}" if tenant else "")
     return gone
 
+  def count_served(self) -> None:
+    """A stream served one of them again."""
+    with self._lock:
+      self.served += 1
+
   def kept_bytes(self) -> int:
     """The bytes kept batches hold now, in all."""
     with self._lock:
@@ -361,9 +366,9 @@ class Replaying:
   """One feed stream's batches: the kept ones that follow its start, then ``produce``'s,
   each kept before it is sent. An iterator of :data:`Made`; :meth:`close` ends it.
 
-  While kept batches are served, the producer makes its first batch (and, with worker
-  processes, starts them and fills the batches in flight) on a thread of this object's,
-  so the first batch after the kept ones is ready when they run out.
+  From the first kept batch served on, the producer makes its first batch (and, with
+  worker processes, starts them and fills the batches in flight) on a thread of this
+  object's, so the first batch after the kept ones is ready when they run out.
 
   Args:
     store: the sidecar's kept batches.
@@ -397,8 +402,6 @@ class Replaying:
         log.info("feed %r opens at %s with %d kept batches to serve again", key.pipeline,
                  self._at, len(self._chain))
       self._produced = produce(dataclasses.replace(spec, start=start))
-      if self._chain:
-        self._warm = _Warm(self._produced)
     except BaseException:
       self._leases.release_all(self._pin)
       store.closed(key)
@@ -428,6 +431,8 @@ class Replaying:
     if told and (at := told_position(told)) is not None:
       self._store.saved(self._key, at)
     if self._chain:
+      if self._warm is None:  # the first batch asked for (within the feed's quotas)
+        self._warm = _Warm(self._produced)
       return self._serve(self._chain.pop(0))
     if self._warm is not None:
       warm, self._warm = self._warm, None
@@ -447,7 +452,7 @@ class Replaying:
     refs = {views[i][j].ctypes.data: k.refs[i][j]
             for i in range(len(views)) for j in range(len(views[i]))}
     self._at = position_of(k.state)
-    self._store.served += 1
+    self._store.count_served()
     return (producer.Batch(k.structure, views), k.state, 0.0,
             lambda a: refs.get(a.ctypes.data))
 
