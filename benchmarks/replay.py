@@ -96,18 +96,25 @@ def killed(args, work: pathlib.Path, name: str, extra: list[str]) -> str:
   return finish(p, out, args.timeout)
 
 
-def analyse(metrics: list[dict], reference: dict[int, float]) -> dict:
+def analyse(metrics: list[dict], reference: dict[int, float], fail_at: int) -> dict:
   """First-pass and re-done waits of one run's metrics; its losses against ``reference``.
 
-  A step's first line is its first pass, a later line of the same step a re-done one. The
-  first pass's figures leave out step 1 (its batch came before the compile) and the three
-  after (the feed's workers starting); the re-done mean takes every re-done step, the
-  first one included (it waits for the feed's opening: what a restart or a rollback pays)."""
-  seen: set[int] = set()
-  first, redone = [], []
+  The run's lines are in segments, a new one where the step goes back (a restart or a
+  rollback); a step of a later segment is re-done where the first segment's trainer had
+  taken its batch already: up to ``fail_at`` (the step that raised, or was reached when
+  the trainer was killed) or the first segment's last line, whichever is later. (A line is
+  written once the next step is queued: the first segment's last steps may have none.)
+  The first pass's figures leave out steps 1-4 (the compile's, the feed's workers
+  starting); the re-done mean takes every re-done step, the first one included (it waits
+  for the feed's opening: what a restart or a rollback pays)."""
+  segments: list[list[dict]] = [[]]
   for x in metrics:
-    (redone if x["step"] in seen else first).append(x)
-    seen.add(x["step"])
+    if segments[-1] and x["step"] <= segments[-1][-1]["step"]:
+      segments.append([])
+    segments[-1].append(x)
+  limit = max([fail_at] + [x["step"] for x in segments[0]])
+  first = segments[0] + [x for seg in segments[1:] for x in seg if x["step"] > limit]
+  redone = [x for seg in segments[1:] for x in seg if x["step"] <= limit]
   last = {x["step"]: x["loss"] for x in metrics}
   exact = all(last[s] == reference.get(s) for s in last) and set(last) == set(reference)
   base = [x["wait"] for x in first if x["step"] > 4]
@@ -154,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
           finish(launch(args, work, name, "--recover-in-process", "--fail-at",
                         str(args.fail_at), *extra), "", args.timeout)
-        row = analyse(lines(work / f"{name}.jsonl"), reference)
+        row = analyse(lines(work / f"{name}.jsonl"), reference, args.fail_at)
         row["seconds"] = time.perf_counter() - t0
         results["rows"][name] = row
         print(f"{name}: {json.dumps(row)}", flush=True)
