@@ -95,6 +95,10 @@ class StreamRunner:
     """A snapshot of every running feed on this sidecar (of ``tenant`` only, if named)."""
     return self._book.running(tenant)
 
+  def kept_bytes(self) -> int:
+    """The arena bytes of feed batches kept for re-done steps (``feeds/replay.py``)."""
+    return 0 if self._replay is None else self._replay.kept_bytes()
+
   def tenant_batches(self) -> dict[str, int]:
     """Per tenant, the batches its feeds made here (running and ended)."""
     return self._book.tenant_batches()
