@@ -148,7 +148,6 @@ class Feed:
     self._open_stream, self._num_epochs, self._workers = open_stream, num_epochs, workers
     self._replay = replay
     self._streams: list[Any] = []
-    self._stream_parts: list[int] = []  # each stream's part: its index in ``layout.hosts``
     self._host_batches: list[Any] = []  # of the batch being gathered
     self._kept = interrupts.Kept()  # a batch Ctrl-C left behind, for the next next()
     self._ahead_depth = (layout.default_device_prefetch if device_prefetch is None
@@ -181,7 +180,6 @@ class Feed:
           state_json=json.dumps(_host_start(self._state, i)), workers=self._workers,
           replay=self._replay)
       self._streams.append(self._open_stream(p.host_id, spec))
-      self._stream_parts.append(i)
 
   def __iter__(self) -> Feed:
     return self
@@ -323,7 +321,7 @@ class Feed:
     self._state = self._state_before = state
     self._seeks += 1
     self._gathered = (-1, {})
-    self._streams, self._stream_parts = [], []
+    self._streams = []
     self._ahead = _Ahead(self, self._ahead_depth) if self._ahead_depth else None
     self.status = State.OPEN
     try:
@@ -347,7 +345,9 @@ class Feed:
       return
     if state.get("kind") not in ("map", "iter"):
       return
-    for stream, i in zip(self._streams, self._stream_parts):
+    # The streams, in the order _open_streams opened them: this process's plans in order.
+    mine = [i for i, p in enumerate(self._all_plans) if p in self._plans]
+    for stream, i in zip(self._streams, mine):
       stream.tell_saved(json.dumps(_host_start(state, i)))
 
   def stats(self) -> dict[str, Any]:
