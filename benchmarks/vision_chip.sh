@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The vision example (examples/vision) on the lent TPU v5e, one measurement a call:
 #
-#   OUT=... bash benchmarks/vision_chip.sh sweep    # steps/s: the bound, ours and Grain at N
-#   OUT=... bash benchmarks/vision_chip.sh replay   # waits of re-done steps: kill, rollback
+#   OUT=... bash benchmarks/vision_chip.sh sweep [ARGS]   # steps/s: the bound, ours, Grain at N
+#   OUT=... bash benchmarks/vision_chip.sh replay [ARGS]  # waits of re-done steps
 #
+# ARGS go to the benchmark after the script's own (e.g. replay --ways kill, then another
+# call with --ways rollback: the two ways together may not fit one call).
 # from the repository root, with .whl-tpu/ carried (docs/tpu.md; Pillow's wheel in it too,
 # where the host's own index lacks it). Installs it, takes optax and toolz from the host's
 # index, prepares 8,192 synthetic 320x320 JPEGs in /tmp/vision-data (--jobs 12) unless they
@@ -12,9 +14,9 @@
 #   sweep   benchmarks.vision under `sidecar launch`: the chip config (ViT-B/16, 224x224,
 #           128 images a step), its device-resident bound, ctl.feed at N = 1..12 workers,
 #           Grain in-process, Grain mp_prefetch(N) at N = 1, 2, 4, 8, 12; $OUT/vision.json
-#   replay  benchmarks.replay: examples/vision/train.py --config chip, saves every 30
-#           steps, fails at step 55 (SIGKILL; an in-process rollback), with the sidecar's
-#           kept batches and without (--replay 0); $OUT/replay.json
+#   replay  benchmarks.replay: examples/vision/train.py --config chip, 6 feed workers, saves
+#           every 25 steps, fails at step 45 (SIGKILL; an in-process rollback), with the
+#           sidecar's kept batches and without (--replay 0); $OUT/replay.json
 # Each is cut at LIMIT=560 s from the script's start (the JSON is written after each row).
 set -uo pipefail
 what=${1:-sweep}
@@ -50,11 +52,11 @@ case "$what" in
     timeout "$left" python3 -m sidecar launch --hosts 1 --import pipelines.vision \
       --shm-size 8GiB -- python3 -m benchmarks.vision --config chip --data /tmp/vision-data \
       --out "$OUT/vision.json" --workers 1,2,3,4,5,6,8,10,12 --grain-mp 1,2,4,8,12 \
-      --steps 30 --warmup 5 2>&1 | tee "$OUT/vision.log" ;;
+      --steps 30 --warmup 5 "${@:2}" 2>&1 | tee "$OUT/vision.log" ;;
   replay)
     timeout "$left" python3 -m benchmarks.replay --config chip --data /tmp/vision-data \
-      --steps 80 --save-every 30 --fail-at 55 --workers 12 --shm-size 8GiB \
-      --out "$OUT/replay.json" 2>&1 | tee "$OUT/replay.log" ;;
+      --steps 70 --save-every 25 --fail-at 45 --workers 6 --shm-size 8GiB \
+      --out "$OUT/replay.json" "${@:2}" 2>&1 | tee "$OUT/replay.log" ;;
   *) echo "usage: vision_chip.sh sweep|replay" >&2; exit 2 ;;
 esac
 echo "exit ${PIPESTATUS[0]}; $(( $(date +%s) - t0 )) s in all" | tee -a "$OUT/$what.log"
