@@ -1,4 +1,4 @@
-"""Kept batches (``server/feeds/replay.py``) against one in-process sidecar: the steps
+"""Kept batches (``server/feeds/kept.py``, ``replay.py``) against one in-process sidecar: the steps
 re-done after a rollback or a restart get the batches of the first pass, bit for bit, from
 the sidecar's arena without the pipeline reading their elements again; what is kept is
 bounded (its count, a share of the arena, and it gives way where the arena is full), goes
@@ -101,13 +101,13 @@ def test_a_restarted_trainer_is_served_them_too(server, tmp_path):
 def test_the_batches_before_a_save_go_at_the_save(server, ctl, tmp_path):
   with ctl.checkpointer(str(tmp_path / "ck")) as ckpt, open_feed(ctl) as feed:
     take(feed, 5)
-    assert server.replay.positions()[:5] == [(0, 0), (0, 4), (0, 8), (0, 12), (0, 16)]
+    assert server.kept_batches.positions()[:5] == [(0, 0), (0, 4), (0, 8), (0, 12), (0, 16)]
     ckpt.save(5, {"w": np.zeros(4, np.float32)}, data_state=feed.state())
     take(feed, 1)  # the save is told with the next credit
-    assert eventually(lambda: server.replay.positions()[0] == (0, 20))
+    assert eventually(lambda: server.kept_batches.positions()[0] == (0, 20))
     ckpt.save(6, {"w": np.zeros(4, np.float32)}, data_state=feed.state())
     take(feed, 1)
-    assert eventually(lambda: server.replay.positions()[0] == (0, 24))
+    assert eventually(lambda: server.kept_batches.positions()[0] == (0, 24))
     # A save with another feed's state (or none of ours) drops nothing of this one's.
     with open_feed(ctl, seed=1) as other:
       take(other, 1)
@@ -115,12 +115,12 @@ def test_the_batches_before_a_save_go_at_the_save(server, ctl, tmp_path):
     ckpt.save(8, {"w": np.zeros(4, np.float32)}, data_state={"epoch": 0, "position": 400})
     ckpt.save(9, {"w": np.zeros(4, np.float32)})
     take(feed, 3)
-    assert server.replay.positions(replay_key(server, seed=0))[0] == (0, 24)
+    assert server.kept_batches.positions(replay_key(server, seed=0))[0] == (0, 24)
 
 
 def replay_key(server, *, seed):
   """The key of this module's "counted" feeds of ``seed`` that the sidecar keeps batches of."""
-  keys = [k for k in server.replay._kept if k.seed == seed and k.pipeline == "counted"]
+  keys = [k for k in server.kept_batches._kept if k.seed == seed and k.pipeline == "counted"]
   assert len(keys) == 1, keys
   return keys[0]
 
@@ -128,7 +128,7 @@ def replay_key(server, *, seed):
 def test_no_more_than_replay_batches_are_kept_the_oldest_since_the_save(server, ctl):
   with open_feed(ctl, replay=3) as feed:
     first = take(feed, 8)
-    assert server.replay.positions() == [(0, 0), (0, 4), (0, 8)]
+    assert server.kept_batches.positions() == [(0, 0), (0, 4), (0, 8)]
     feed.seek(None)
     again = take(feed, 8)
   assert again == first
@@ -139,7 +139,7 @@ def test_no_more_than_replay_batches_are_kept_the_oldest_since_the_save(server, 
 def test_replay_0_keeps_none(server, ctl):
   with open_feed(ctl, replay=0) as feed:
     take(feed, 4)
-    assert server.replay.count() == 0
+    assert server.kept_batches.count() == 0
 
 
 def test_kept_batches_hold_at_most_a_quarter_of_the_arena(make_server):
@@ -149,8 +149,8 @@ def test_kept_batches_hold_at_most_a_quarter_of_the_arena(make_server):
   with sidecar.jax.Controller([f"127.0.0.1:{server.port}"], timeout=10) as ctl, \
       open_feed(ctl, kwargs={"width": 4096}) as feed:  # 64 KiB a batch
     take(feed, 12)
-    assert server.replay.count() == 8  # 8 x 64 KiB = a quarter of 2 MiB
-    assert server.replay.kept_bytes() == 8 * 64 << 10
+    assert server.kept_batches.count() == 8  # 8 x 64 KiB = a quarter of 2 MiB
+    assert server.kept_batches.kept_bytes() == 8 * 64 << 10
 
 
 def test_kept_batches_give_way_to_new_batches_where_the_arena_is_full(make_server):
@@ -160,12 +160,12 @@ def test_kept_batches_give_way_to_new_batches_where_the_arena_is_full(make_serve
   with sidecar.jax.Controller([f"127.0.0.1:{server.port}"], timeout=10) as ctl:
     with open_feed(ctl, kwargs={"width": 4096}) as feed:  # 64 KiB a batch
       take(feed, 8)
-    assert server.replay.count() == 8  # a quarter of the arena
+    assert server.kept_batches.count() == 8  # a quarter of the arena
     # 448 KiB a batch (never kept: more than a quarter), 3 or 4 of them held at once: only
     # with the kept batches gone do they fit.
     with open_feed(ctl, kwargs={"width": 28000}, seed=1) as feed:
       assert len(take(feed, 6)) == 6
-    assert server.replay.count() < 8
+    assert server.kept_batches.count() < 8
 
 
 @pytest.mark.parametrize("other", [
@@ -174,13 +174,13 @@ def test_kept_batches_give_way_to_new_batches_where_the_arena_is_full(make_serve
 def test_nothing_is_served_to_a_feed_that_differs(server, ctl, other):
   with open_feed(ctl) as feed:
     take(feed, 4)
-  kept = server.replay.count()
+  kept = server.kept_batches.count()
   READS.clear()
   with open_feed(ctl, **other) as feed:
     got = take(feed, 4)
   assert len(READS) >= 4 * len(got[0])  # its own elements, read
-  assert server.replay.count() >= kept  # the first feed's stay kept (its own key)
-  assert server.replay.served == 0
+  assert server.kept_batches.count() >= kept  # the first feed's stay kept (its own key)
+  assert server.kept_batches.served == 0
 
 
 def test_a_batch_its_trainer_wrote_into_is_made_anew(make_server):
@@ -201,4 +201,4 @@ def test_a_batch_its_trainer_wrote_into_is_made_anew(make_server):
     loader.close()
   assert [a.tolist() for a in again[:2]] == [f.tolist() for f in first]
   assert again[2].tolist() == made.tolist()  # made anew, not the written block
-  assert server.replay.served == 2
+  assert server.kept_batches.served == 2

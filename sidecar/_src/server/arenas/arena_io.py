@@ -337,7 +337,7 @@ class BatchBlocks:
 
   def lease(self, ref: codec.ArenaRef) -> None:
     """Leases a block made before, still held by someone (a feed's kept batch,
-    ``feeds/replay.py``), to this feed's worker session, which receives and frees it as
+    ``feeds/kept.py``), to this feed's worker session, which receives and frees it as
     one of its own.
 
     Raises:

@@ -10,7 +10,7 @@ reads the consumer's grants:
   with no thread hop per item.
 
 A feed's consumer also says, with a credit, where its trainer saved (``saved``): the
-feed's kept batches before that position will not be re-done (``feeds/replay.py``).
+feed's kept batches before that position will not be re-done (``feeds/kept.py``).
 """
 
 from __future__ import annotations

@@ -22,7 +22,12 @@ from sidecar._src.server import metrics as metrics_lib
 from sidecar._src.server.arenas.arena_io import Alive, BatchBlocks, TimeLeft
 from sidecar._src.server.calls.calls import Runner, measured
 from sidecar._src.server.calls.credits import CreditSource
-from sidecar._src.server.feeds import processes as feed_processes, producer, replay as replay_lib
+from sidecar._src.server.feeds import (
+  kept as kept_lib,
+  processes as feed_processes,
+  producer,
+  replay as replay_lib,
+)
 from sidecar._src.server.pool import shares as shares_lib
 from sidecar._src.server.tenancy import tenants as tenants_lib
 from sidecar._src.user import registry as registry_lib
@@ -39,12 +44,12 @@ class StreamRunner:
   Args:
     runner: what decodes and checks a stream's arguments.
     imports: the modules a feed's worker processes import (the sidecar's own).
-    replay: the feeds' kept batches (``feeds/replay.py``); None: none are kept.
+    replay: the feeds' kept batches (``feeds/kept.py``); None: none are kept.
   """
 
   def __init__(self, runner: Runner, *, imports: tuple[str, ...] = (),
                tenancy: tenants_lib.Tenancy | None = None,
-               replay: replay_lib.Replay | None = None):
+               replay: kept_lib.KeptBatches | None = None):
     self._runner = runner
     self._replay = replay
     self._io = runner.arena_io
@@ -96,7 +101,7 @@ class StreamRunner:
     return self._book.running(tenant)
 
   def kept_bytes(self) -> int:
-    """The arena bytes of feed batches kept for re-done steps (``feeds/replay.py``)."""
+    """The arena bytes of feed batches kept for re-done steps (``feeds/kept.py``)."""
     return 0 if self._replay is None else self._replay.kept_bytes()
 
   def tenant_batches(self) -> dict[str, int]:

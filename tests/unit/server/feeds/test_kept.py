@@ -1,4 +1,4 @@
-"""The store of kept feed batches (``server/feeds/replay.py``) over real leases: what it
+"""The store of kept feed batches (``server/feeds/kept.py``) over real leases: what it
 keeps, for whom, within which bounds, and what lets a kept batch go. No arena is mapped:
 the store never touches a batch's bytes (its streams do)."""
 
@@ -6,7 +6,7 @@ import pytest
 
 from sidecar._src.arena import shm
 from sidecar._src.server.arenas.leases import Leases
-from sidecar._src.server.feeds import producer, replay as replay_lib
+from sidecar._src.server.feeds import kept as kept_lib, producer
 from sidecar._src.wire import codec
 from sidecar._src.wire.protocol import pb
 
@@ -38,7 +38,7 @@ def clock():
 
 @pytest.fixture
 def store(leases, clock):
-  store = replay_lib.Replay(leases, clock=clock)
+  store = kept_lib.KeptBatches(leases, clock=clock)
   yield store
   store.close()
 
@@ -49,7 +49,7 @@ def key(*, seed=0, **changes):
   fields = dict(tenant=None, pipeline="rows", code_hash="abc", kwargs=pb.Value(), spec=spec,
                 data=None)
   fields.update(changes)
-  return replay_lib.FeedKey.of(**fields)
+  return kept_lib.FeedKey.of(**fields)
 
 
 def make(leases, session="w1"):
@@ -130,7 +130,7 @@ def test_a_key_no_stream_used_for_idle_s_loses_its_batches(store, leases, clock)
   keep(store, leases, busy, 0)
   pin = leases.new_pin(0)
   store.open(busy, (0, 4), holder=pin, arena=0)  # a stream of busy stays open
-  clock.now += replay_lib.IDLE_S + 1
+  clock.now += kept_lib.IDLE_S + 1
   assert store.open(key(seed=3), (0, 0), holder=pin, arena=0) == []  # any look expires
   assert store.count(k) == 0 and store.count(busy) == 0  # busy's: before where it opened
   store.closed(busy)
@@ -157,4 +157,4 @@ def test_a_kept_block_stays_held_until_the_stream_serves_it(store, leases):
     ('{"epoch": true, "position": 0}', None)], ids=["state", "negative", "garbage", "list",
                                                     "bool"])
 def test_a_told_save_is_read_or_ignored(text, want):
-  assert replay_lib.told_position(text) == want
+  assert kept_lib.told_position(text) == want
