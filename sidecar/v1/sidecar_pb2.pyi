@@ -203,7 +203,7 @@ class RowRange(_message.Message):
     def __init__(self, start: _Optional[int] = ..., stop: _Optional[int] = ...) -> None: ...
 
 class FeedSpec(_message.Message):
-    __slots__ = ("global_batch_size", "rows", "seed", "num_epochs", "shard_index", "shard_count", "state_json", "workers", "length_only")
+    __slots__ = ("global_batch_size", "rows", "seed", "num_epochs", "shard_index", "shard_count", "state_json", "workers", "length_only", "replay")
     GLOBAL_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +213,7 @@ class FeedSpec(_message.Message):
     STATE_JSON_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     LENGTH_ONLY_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_FIELD_NUMBER: _ClassVar[int]
     global_batch_size: int
     rows: _containers.RepeatedCompositeFieldContainer[RowRange]
     seed: int
@@ -222,7 +223,8 @@ class FeedSpec(_message.Message):
     state_json: str
     workers: int
     length_only: bool
-    def __init__(self, global_batch_size: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[RowRange, _Mapping]]] = ..., seed: _Optional[int] = ..., num_epochs: _Optional[int] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., state_json: _Optional[str] = ..., workers: _Optional[int] = ..., length_only: _Optional[bool] = ...) -> None: ...
+    replay: int
+    def __init__(self, global_batch_size: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[RowRange, _Mapping]]] = ..., seed: _Optional[int] = ..., num_epochs: _Optional[int] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., state_json: _Optional[str] = ..., workers: _Optional[int] = ..., length_only: _Optional[bool] = ..., replay: _Optional[int] = ...) -> None: ...
 
 class CallResponse(_message.Message):
     __slots__ = ("result", "error")
@@ -233,20 +235,22 @@ class CallResponse(_message.Message):
     def __init__(self, result: _Optional[_Union[Value, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
-    __slots__ = ("start", "credit", "prefetch", "freed", "wait_s", "close")
+    __slots__ = ("start", "credit", "prefetch", "freed", "wait_s", "close", "saved_state_json")
     START_FIELD_NUMBER: _ClassVar[int]
     CREDIT_FIELD_NUMBER: _ClassVar[int]
     PREFETCH_FIELD_NUMBER: _ClassVar[int]
     FREED_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
     CLOSE_FIELD_NUMBER: _ClassVar[int]
+    SAVED_STATE_JSON_FIELD_NUMBER: _ClassVar[int]
     start: CallRequest
     credit: int
     prefetch: int
     freed: _containers.RepeatedScalarFieldContainer[int]
     wait_s: float
     close: bool
-    def __init__(self, start: _Optional[_Union[CallRequest, _Mapping]] = ..., credit: _Optional[int] = ..., prefetch: _Optional[int] = ..., freed: _Optional[_Iterable[int]] = ..., wait_s: _Optional[float] = ..., close: _Optional[bool] = ...) -> None: ...
+    saved_state_json: str
+    def __init__(self, start: _Optional[_Union[CallRequest, _Mapping]] = ..., credit: _Optional[int] = ..., prefetch: _Optional[int] = ..., freed: _Optional[_Iterable[int]] = ..., wait_s: _Optional[float] = ..., close: _Optional[bool] = ..., saved_state_json: _Optional[str] = ...) -> None: ...
 
 class StreamItem(_message.Message):
     __slots__ = ("value", "index", "error", "end", "batch")
@@ -359,7 +363,7 @@ class ReplicaSteps(_message.Message):
     def __init__(self, source_host: _Optional[int] = ..., steps: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("identity", "versions", "registry", "arena_size", "arena_used", "arena_blocks", "workers", "uptime_s", "calls", "feeds", "checkpoints", "tenants", "trainers", "tenant")
+    __slots__ = ("identity", "versions", "registry", "arena_size", "arena_used", "arena_blocks", "workers", "uptime_s", "calls", "feeds", "checkpoints", "tenants", "trainers", "tenant", "arena_kept")
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     REGISTRY_FIELD_NUMBER: _ClassVar[int]
@@ -374,6 +378,7 @@ class StatusResponse(_message.Message):
     TENANTS_FIELD_NUMBER: _ClassVar[int]
     TRAINERS_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    ARENA_KEPT_FIELD_NUMBER: _ClassVar[int]
     identity: HostIdentity
     versions: Versions
     registry: _containers.RepeatedCompositeFieldContainer[RegistryEntry]
@@ -388,7 +393,8 @@ class StatusResponse(_message.Message):
     tenants: _containers.RepeatedCompositeFieldContainer[TenantStatus]
     trainers: _containers.RepeatedCompositeFieldContainer[TrainerStatus]
     tenant: str
-    def __init__(self, identity: _Optional[_Union[HostIdentity, _Mapping]] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., registry: _Optional[_Iterable[_Union[RegistryEntry, _Mapping]]] = ..., arena_size: _Optional[int] = ..., arena_used: _Optional[int] = ..., arena_blocks: _Optional[int] = ..., workers: _Optional[int] = ..., uptime_s: _Optional[float] = ..., calls: _Optional[int] = ..., feeds: _Optional[_Iterable[_Union[FeedStatus, _Mapping]]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointStatus, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStatus, _Mapping]]] = ..., trainers: _Optional[_Iterable[_Union[TrainerStatus, _Mapping]]] = ..., tenant: _Optional[str] = ...) -> None: ...
+    arena_kept: int
+    def __init__(self, identity: _Optional[_Union[HostIdentity, _Mapping]] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., registry: _Optional[_Iterable[_Union[RegistryEntry, _Mapping]]] = ..., arena_size: _Optional[int] = ..., arena_used: _Optional[int] = ..., arena_blocks: _Optional[int] = ..., workers: _Optional[int] = ..., uptime_s: _Optional[float] = ..., calls: _Optional[int] = ..., feeds: _Optional[_Iterable[_Union[FeedStatus, _Mapping]]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointStatus, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStatus, _Mapping]]] = ..., trainers: _Optional[_Iterable[_Union[TrainerStatus, _Mapping]]] = ..., tenant: _Optional[str] = ..., arena_kept: _Optional[int] = ...) -> None: ...
 
 class TrainerStatus(_message.Message):
     __slots__ = ("pid", "rank", "restart", "steps", "since_step_s", "slowest_step_s", "stall_timeout_s", "stalled", "ended", "pid_verified", "tenant")

@@ -486,6 +486,11 @@ class Controller:
     self._children.add(ckpt)
     return ckpt
 
+  def _saved(self, data_state: Any) -> None:
+    """A checkpointer of this controller saved (not skipped), with ``data_state``."""
+    self._startup.saved()
+    self._children.saved(data_state)
+
   def checkpoint_client(self) -> CheckpointClient:
     """The checkpoint phases on these sidecars, through this controller's channels: what
     a framework's checkpoint adapter (``sidecar.torch.StorageWriter``) drives."""
@@ -504,7 +509,7 @@ class Controller:
     self._check_open()
     one = not self.multiprocess  # N processes: each one's view of a loss may differ
     return self._snapshots.snapshot(
-        client, goodput=self._goodput, saved=self._startup.saved,
+        client, goodput=self._goodput, saved=self._saved,
         now=functools.partial(self._snapshot, client) if one else None)
 
   @interrupts.deferring

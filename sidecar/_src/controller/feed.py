@@ -123,7 +123,7 @@ class Feed:
 
   def __init__(self, *, name: str, layout: BatchLayout, seed: int, num_epochs: int | None,
                prefetch: int, state: dict[str, Any] | None, workers: int,
-               open_stream: Callable[[int, pb.FeedSpec], Any],
+               open_stream: Callable[[int, pb.FeedSpec], Any], replay: int = 0,
                arena_use: Callable[[], dict[int, float]] = dict,
                local_hosts: Sequence[int] | None = None, peers: Peers | None = None,
                key: str = "feed", device_prefetch: int | None = None,
@@ -146,6 +146,7 @@ class Feed:
     self._state = self._state_before = _check_state(state, name=name, seed=seed,
                                                     num_hosts=len(plans))
     self._open_stream, self._num_epochs, self._workers = open_stream, num_epochs, workers
+    self._replay = replay
     self._streams: list[Any] = []
     self._host_batches: list[Any] = []  # of the batch being gathered
     self._kept = interrupts.Kept()  # a batch Ctrl-C left behind, for the next next()
@@ -176,7 +177,8 @@ class Feed:
           global_batch_size=self._g, rows=[pb.RowRange(start=a, stop=b) for a, b in p.ranges],
           seed=self._seed, num_epochs=self._num_epochs or 0,
           shard_index=i if shardable else 0, shard_count=len(plans) if shardable else 0,
-          state_json=json.dumps(_host_start(self._state, i)), workers=self._workers)
+          state_json=json.dumps(_host_start(self._state, i)), workers=self._workers,
+          replay=self._replay)
       self._streams.append(self._open_stream(p.host_id, spec))
 
   def __iter__(self) -> Feed:
@@ -327,6 +329,26 @@ class Feed:
     except BaseException:
       self.close()
       raise
+
+  def saved(self, data_state: Any) -> None:
+    """The trainer saved with ``data_state`` (a checkpointer's ``save(...,
+    data_state=...)``): where it is this feed's position, each host's sidecar is told (with
+    the next credit), and lets go of the batches it kept from before it (a rollback or a
+    restart re-does only the steps after a save). Anything else is not this feed's:
+    nothing is told."""
+    if not isinstance(data_state, dict) or self.status is not State.OPEN:
+      return
+    try:
+      state = _check_state(data_state, name=self.name, seed=self._seed,
+                           num_hosts=len(self._all_plans))
+    except errors.InvalidArgumentError:
+      return
+    if state.get("kind") not in ("map", "iter"):
+      return
+    # The streams, in the order _open_streams opened them: this process's plans in order.
+    mine = [i for i, p in enumerate(self._all_plans) if p in self._plans]
+    for stream, i in zip(self._streams, mine):
+      stream.tell_saved(json.dumps(_host_start(state, i)))
 
   def stats(self) -> dict[str, Any]:
     """Batches, batches/s, the trainer's wait for data per step, the sidecars' time per batch,
@@ -516,6 +538,7 @@ def agree_and_open(name: str, number: int, *, global_batch_size: int, layout: Ba
               prefetch=options.prefetch, state=state, workers=options.workers,
               open_stream=open_stream, local_hosts=local_hosts, peers=peers, key=key,
               arena_use=arena_use, device_prefetch=options.device_prefetch,
+              replay=options.replay,
               on_batch=on_batch)
 
 

@@ -35,6 +35,7 @@ from sidecar._src.server.calls.stream_runner import StreamRunner
 from sidecar._src.server.checkpoint import links as links_lib
 from sidecar._src.server.checkpoint.checkpoints import Checkpoints
 from sidecar._src.server.checkpoint.service import CheckpointService
+from sidecar._src.server.feeds import kept as kept_lib
 from sidecar._src.server.goodput import ledgers as ledgers_lib, steps as steps_lib
 from sidecar._src.server.limits import (
   CHECKPOINT_THREADS,
@@ -157,10 +158,12 @@ class Server:
                          quota_share=(o.session_quota if isinstance(o.session_quota, float)
                                       else None),
                          tenancy=self.tenancy, tenant_of=self.tenancy.of_worker,
-                         metrics=self.metrics,  # durable RAM-tier copies give way to new work:
-                         reclaim=lambda n, tenant: self.checkpoints.reclaim(n, tenant),
+                         metrics=self.metrics,  # kept feed batches, then durable RAM-tier
+                         reclaim=self._reclaim,  # copies, give way to new work
                          holds=lambda tenant: self.checkpoints.describe_ram(
                              tenant, everyone=not named))
+    # Feeds' batches made since their trainers' last saves, for re-done steps.
+    self.kept_batches = kept_lib.KeptBatches(self.leases)
     # What more a client may run and checkpoint: a pool file's tenants' allowlists and
     # quotas; the token modes' clients have none (and a reload keeps a pool a pool).
     call_policy, checkpoint_policy = policies.OPEN_CALLS, policies.OPEN_CHECKPOINTS
@@ -179,7 +182,8 @@ class Server:
                             is_attached=lambda session: self.workers.has_session(session))
     self.runner = Runner(registry=self.registry, arena_io=self.arena_io, metrics=self.metrics,
                          policy=call_policy)
-    self.stream_runner = StreamRunner(self.runner, imports=o.imports, tenancy=self.tenancy)
+    self.stream_runner = StreamRunner(self.runner, imports=o.imports, tenancy=self.tenancy,
+                                      replay=self.kept_batches)
     sessions = Sessions(idle_s=o.session_idle_s, limit=o.max_sessions,
                         evict_idle_s=o.session_evict_s, tenancy=self.tenancy,
                         per_client=o.max_sessions_per_client)
@@ -531,12 +535,20 @@ class Server:
       self.workers.close()
     if getattr(self, "checkpoints", None) is not None:
       self.checkpoints.close()
+    if getattr(self, "kept_batches", None) is not None:
+      self.kept_batches.close()
     if getattr(self, "arena_io", None) is not None:
       self.arena_io.close()
     if getattr(self, "arenas", None) is not None:
       self.arenas.close()
     elif (arena := getattr(self, "arena", None)) is not None:
       arena.close()
+
+  def _reclaim(self, nbytes: int, tenant: str | None) -> int:
+    """Where the arena is full: kept feed batches go first, then durable RAM-tier copies
+    for what they did not let go of; the bytes let go of."""
+    kept = self.kept_batches.reclaim(nbytes, tenant)
+    return kept + (self.checkpoints.reclaim(nbytes - kept, tenant) if kept < nbytes else 0)
 
   def __enter__(self) -> Server:
     return self.start()

@@ -335,6 +335,7 @@ class Service:
         identity=self._identity, versions=protocol.local_versions(),
         registry=self.registry_entries(), arena_size=self._arena_size,
         arena_used=self._leases.allocator.used_bytes,
+        arena_kept=self._stream_runner.kept_bytes(),
         arena_blocks=self._leases.allocator.num_blocks,
         workers=self._workers.num_sessions(), uptime_s=time.monotonic() - self._started,
         calls=self._runner.calls, feeds=[] if hidden else self._stream_runner.feeds(client),
@@ -420,7 +421,7 @@ def _read_credits(requests: Iterator[bytes], credits: Credits,
   try:
     for raw in requests:
       message = codec.parse(pb.StreamRequest, raw)
-      credits.grant(message.credit, message.wait_s)
+      credits.grant(message.credit, message.wait_s, message.saved_state_json)
       if message.credit:
         on_taken(message.credit)
   except Exception:

@@ -70,8 +70,9 @@ class Transport(abc.ABC):
     seconds the consumer has waited for this item so far."""
 
   @abc.abstractmethod
-  def credit(self, n: int, *, wait_s: float) -> None:
-    """Grants the sidecar ``n`` more items; ``wait_s``: what the consumer waited for them."""
+  def credit(self, n: int, *, wait_s: float, saved: str = "") -> None:
+    """Grants the sidecar ``n`` more items; ``wait_s``: what the consumer waited for them;
+    ``saved``: a feed's, the host state of its trainer's latest save (told once)."""
 
   @abc.abstractmethod
   def close(self, *, owed: int) -> None:
@@ -121,6 +122,7 @@ class Stream:
     self._timeout = timeout
     self._to_device = to_device
     self._owed, self._waited = 0, 0.0  # taken and not yet credited, and the wait for them
+    self._saved = ""  # a save's feed state to tell with the next credit
     self.closed = False
     self._kept = interrupts.Kept()  # an item Ctrl-C left behind, for the next next()
     self.args: list = []  # the argument blocks, held as long as the stream
@@ -161,13 +163,19 @@ class Stream:
     self._waited += time.perf_counter() - t0
     if self._owed >= self._credit_every:
       owed, waited = self._owed, self._waited
+      saved, self._saved = self._saved, ""
       self._owed, self._waited = 0, 0.0
-      t.credit(owed, wait_s=waited)
+      t.credit(owed, wait_s=waited, saved=saved)
     where = f"item {item.index} of {self._name!r} from host {t.host_id}"
     if item.HasField("batch"):  # a feed's: our own record, never a user's value
       return feed_batch.decode(item.batch, from_arena=t.from_arena, where=where)
     value = codec.decode(item.value, from_arena=t.from_arena, where=where)
     return value if self._to_device is None else self._to_device(value)
+
+  def tell_saved(self, state_json: str) -> None:
+    """A feed's: its trainer saved at host state ``state_json``; the sidecar is told with
+    the next credit (sent by the thread that takes items: one writer on the stream)."""
+    self._saved = state_json
 
   def _named(self, e: errors.SidecarError) -> errors.SidecarError:
     """The error that ended the stream, naming the iterable and the host: user code's

@@ -81,8 +81,8 @@ class GrpcTransport(consumer.Transport):
   def check_alive(self, waited: float) -> None:
     pass  # A lost sidecar fails the RPC itself (keepalive, the controller's health watch).
 
-  def credit(self, n: int, *, wait_s: float) -> None:
-    self._requests.put(pb.StreamRequest(credit=n, wait_s=wait_s))
+  def credit(self, n: int, *, wait_s: float, saved: str = "") -> None:
+    self._requests.put(pb.StreamRequest(credit=n, wait_s=wait_s, saved_state_json=saved))
 
   def close(self, *, owed: int) -> None:
     self._requests.put(_END)  # half-closes the requests: the sidecar's reader ends

@@ -54,8 +54,9 @@ class SocketTransport(consumer.Transport):
       raise errors.HostLostError(f"no item of stream {self._name!r} for {waited:.3g} s, and {e}",
                                  host_id=self.host_id) from None
 
-  def credit(self, n: int, *, wait_s: float) -> None:
-    message = pb.StreamRequest(credit=n, freed=self._worker.take_freed(), wait_s=wait_s)
+  def credit(self, n: int, *, wait_s: float, saved: str = "") -> None:
+    message = pb.StreamRequest(credit=n, freed=self._worker.take_freed(), wait_s=wait_s,
+                               saved_state_json=saved)
     try:
       self._sock.settimeout(self._worker.timeout)  # receive may have left a short one
       ipc.send_bytes(self._sock, message.SerializeToString())

@@ -51,7 +51,8 @@ def sigint_after(seconds: float):
 
 
 def used(ctl) -> list[int]:
-  return [s.arena_used for s in ctl.status()]
+  """Each sidecar's arena bytes in use, but the feed batches it keeps for re-done steps."""
+  return [s.arena_used - s.arena_kept for s in ctl.status()]
 
 
 def back_to(ctl, baseline: list[int]) -> bool:

@@ -51,6 +51,8 @@ def test_a_trainer_stopped_while_its_batch_is_made_leaves_no_warning(tmp_path):
       assert eventually(lambda at=at: cluster.log(0).count("arena blocks released") == at - 4,
                         timeout=30), cluster.log(0)
     with cluster.controller() as ctl:  # every block came back
-      assert eventually(lambda: ctl.status()[0].arena_used == 0, timeout=30), ctl.status()
+      # (but the batches its sidecar keeps for a restart's re-done steps)
+      assert eventually(lambda: (s := ctl.status()[0]).arena_used == s.arena_kept,
+                        timeout=30), ctl.status()
     log = cluster.log(0)
   assert "not held by" not in log and " WARNING " not in log, log

@@ -125,4 +125,5 @@ def test_the_blocks_of_batches_sent_ahead_and_never_taken_go_back(ctl):
       assert eventually(lambda: ctl.status()[0].arena_used > 0)  # the batches sent ahead
   del batch
   gc.collect()
-  assert eventually(lambda: ctl.status()[0].arena_used == 0)
+  # (of the arena, only the batches the sidecar keeps for re-done steps stay)
+  assert eventually(lambda: ctl.status()[0].arena_used == ctl.status()[0].arena_kept)

@@ -32,6 +32,7 @@ class FakeTransport(consumer.Transport):
     if end is not None:
       self.items.append(end)
     self.credits: list[int] = []
+    self.saved: list[str] = []  # each save's state told with a credit
     self.closes: list[int] = []  # each close(owed=...)
     self.checks = 0
     self._lost_after_checks = lost_after_checks
@@ -50,9 +51,11 @@ class FakeTransport(consumer.Transport):
     if self.checks == self._lost_after_checks:
       raise sidecar.HostLostError("the fake sidecar stopped answering", host_id=self.host_id)
 
-  def credit(self, n, *, wait_s):
+  def credit(self, n, *, wait_s, saved=""):
     assert wait_s >= 0
     self.credits.append(n)
+    if saved:
+      self.saved.append(saved)
 
   def close(self, *, owed):
     self.closes.append(owed)
@@ -230,3 +233,13 @@ def test_the_finalizer_needs_no_module_globals(monkeypatch):
   half_made = consumer.Stream.__new__(consumer.Stream)  # as when __init__ failed
   half_made.__del__()
   stream.closed = half_made.closed = True  # the collector's own __del__: nothing to do
+
+
+def test_a_save_told_goes_with_the_next_credit_once():
+  stream = consumer.Stream(FakeTransport(1, 2, 3), name="nums")
+  next(stream)
+  stream.tell_saved('{"epoch": 0, "position": 4}')
+  next(stream)
+  next(stream)
+  assert stream._transport.credits == [1, 1, 1]
+  assert stream._transport.saved == ['{"epoch": 0, "position": 4}']

@@ -215,8 +215,8 @@ class Checkpointer:
         and handle.staged.result() is None
     if self._goodput is not None:
       self._goodput.saved(None if skipped else step, time.perf_counter() - t0)
-    if self._saved is not None and not skipped:  # a step of a trainer with no feed of ours
-      self._saved()
+    if self._saved is not None and not skipped:  # a step; its feeds' kept batches before it go
+      self._saved(data_state)
     return handle
 
   def _save(self, step: int, tree: Any, data_state: dict[str, Any] | None) -> SaveHandle:

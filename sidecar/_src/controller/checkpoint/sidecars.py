@@ -40,8 +40,10 @@ class SidecarsSnapshot:
       writer is made for each save: its warning once, not at every save).
     goodput: the controller's goodput ledger client (process 0's), told of each save and
       restore; the first checkpointer binds it to its directory. None: none records.
-    saved: called after each ``save()`` that saved (not skipped): the controller's stall
-      rule (``controller/startup.py``: a save is a step of a trainer with no feed of ours).
+    saved: called with its ``data_state`` after each ``save()`` that saved (not skipped):
+      the controller's stall rule (``controller/startup.py``: a save is a step of a trainer
+      with no feed of ours) and its feeds (their sidecars let go of the batches kept from
+      before it: ``Feed.saved``).
     live: the controller's live hosts now (cheap: no rpc); ``now``: its sidecars now, a
       snapshot with this one's client. A checkpointer compares ``live()`` with ``hosts``
       at each save and restore, and takes ``now()`` where they differ (a host lost, or
@@ -57,7 +59,7 @@ class SidecarsSnapshot:
   writers: Mapping[int, Sequence[int]]
   warned: set[tuple[int, int]] = dataclasses.field(default_factory=set)
   goodput: LedgerClient | None = None
-  saved: Callable[[], None] | None = None
+  saved: Callable[[Any], None] | None = None
   live: Callable[[], tuple[int, ...]] | None = None
   now: Callable[[], SidecarsSnapshot] | None = None
 
@@ -95,7 +97,7 @@ class Snapshots:
 
   def snapshot(self, client: CheckpointTransport, *, goodput: LedgerClient | None,
                now: Callable[[], SidecarsSnapshot] | None,
-               saved: Callable[[], None] | None = None) -> SidecarsSnapshot:
+               saved: Callable[[Any], None] | None = None) -> SidecarsSnapshot:
     """The sidecars now, through ``client``; with ``now`` (a single controller's: how to
     take the next), one that follows the live hosts (``SidecarsSnapshot.live``)."""
     sidecars = self._sidecars

@@ -330,6 +330,23 @@ class BatchBlocks:
     found = self._placed.get(a.ctypes.data)
     return None if found is None else found[1]
 
+  @property
+  def arena_id(self) -> int:
+    """The id of the arena the batches are made in (``arenas.Space.id``)."""
+    return self._space.id
+
+  def lease(self, ref: codec.ArenaRef) -> None:
+    """Leases a block made before, still held by someone (a feed's kept batch,
+    ``feeds/kept.py``), to this feed's worker session, which receives and frees it as
+    one of its own.
+
+    Raises:
+      ClosedError: the session ended (its blocks were let go of: this one is not held).
+    """
+    block = self._io.leases.hold(ref.offset, ref.generation, self._session,
+                                 arena=self._space.id)
+    self._io._to_attached(block, self._session)
+
   def sent(self, tree: Any) -> None:
     """The blocks of a batch that was encoded: the session's to free now, or, copied
     into the message (no session), unpinned."""

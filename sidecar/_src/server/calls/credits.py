@@ -8,6 +8,9 @@ reads the consumer's grants:
 - :class:`Credits` (gRPC): a reader thread grants, the producer waits on a condition;
 - :class:`SocketCredits` (the worker socket): the producer reads the grants itself,
   with no thread hop per item.
+
+A feed's consumer also says, with a credit, where its trainer saved (``saved``): the
+feed's kept batches before that position will not be re-done (``feeds/kept.py``).
 """
 
 from __future__ import annotations
@@ -38,21 +41,33 @@ class CreditSource(Protocol):
     """Uses a credit, waiting for one; False once the consumer will take no more."""
     ...
 
+  def take_saved(self) -> str:
+    """The host feed state of the trainer's latest save the consumer told since the last
+    call (JSON), or "" where it told none."""
+    ...
+
 
 class Bank:
   """The count itself: credits granted and not yet used, never above the prefetch."""
 
-  __slots__ = ("available", "most", "consumer_wait_s")
+  __slots__ = ("available", "most", "consumer_wait_s", "saved")
 
   def __init__(self, prefetch: int):
     self.available = self.most = prefetch
     self.consumer_wait_s = 0.0  # what the consumer reported waiting, in all
+    self.saved = ""  # the latest save's feed state the consumer told, not yet taken
 
-  def grant(self, n: int, wait_s: float = 0.0) -> None:
+  def grant(self, n: int, wait_s: float = 0.0, saved: str = "") -> None:
     # A consumer never has more than its prefetch outstanding: more is ignored, so a
     # client cannot make the sidecar run ahead without bound.
     self.available = min(self.available + n, self.most)
     self.consumer_wait_s += wait_s
+    if saved:
+      self.saved = saved
+
+  def take_saved(self) -> str:
+    saved, self.saved = self.saved, ""
+    return saved
 
   def spend(self) -> bool:
     """Uses a credit if one is there."""
@@ -79,10 +94,14 @@ class Credits:
   def prefetch(self) -> int:
     return self._bank.most
 
-  def grant(self, n: int, wait_s: float = 0.0) -> None:
+  def grant(self, n: int, wait_s: float = 0.0, saved: str = "") -> None:
     with self._cond:
-      self._bank.grant(n, wait_s)
+      self._bank.grant(n, wait_s, saved)
       self._cond.notify()
+
+  def take_saved(self) -> str:
+    with self._cond:
+      return self._bank.take_saved()
 
   def close(self) -> None:
     """The consumer is gone: ``take`` returns False from now on."""
@@ -149,7 +168,7 @@ class SocketCredits:
         self.gone = True
         return
       message = codec.parse(pb.StreamRequest, raw)  # InvalidArgumentError if garbage
-      self._bank.grant(message.credit, message.wait_s)
+      self._bank.grant(message.credit, message.wait_s, message.saved_state_json)
       self.taken += message.credit
       self.closed = message.close
       if message.credit and not message.close:
@@ -171,3 +190,6 @@ class SocketCredits:
   def drain(self) -> None:
     """Reads what the consumer sent and nobody read yet (its close, say)."""
     self._read(block=False)
+
+  def take_saved(self) -> str:
+    return self._bank.take_saved()

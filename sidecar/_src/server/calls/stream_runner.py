@@ -22,7 +22,12 @@ from sidecar._src.server import metrics as metrics_lib
 from sidecar._src.server.arenas.arena_io import Alive, BatchBlocks, TimeLeft
 from sidecar._src.server.calls.calls import Runner, measured
 from sidecar._src.server.calls.credits import CreditSource
-from sidecar._src.server.feeds import processes as feed_processes, producer
+from sidecar._src.server.feeds import (
+  kept as kept_lib,
+  processes as feed_processes,
+  producer,
+  replay as replay_lib,
+)
 from sidecar._src.server.pool import shares as shares_lib
 from sidecar._src.server.tenancy import tenants as tenants_lib
 from sidecar._src.user import registry as registry_lib
@@ -39,11 +44,14 @@ class StreamRunner:
   Args:
     runner: what decodes and checks a stream's arguments.
     imports: the modules a feed's worker processes import (the sidecar's own).
+    replay: the feeds' kept batches (``feeds/kept.py``); None: none are kept.
   """
 
   def __init__(self, runner: Runner, *, imports: tuple[str, ...] = (),
-               tenancy: tenants_lib.Tenancy | None = None):
+               tenancy: tenants_lib.Tenancy | None = None,
+               replay: kept_lib.KeptBatches | None = None):
     self._runner = runner
+    self._replay = replay
     self._io = runner.arena_io
     self._imports = imports
     self._book = FeedBook()
@@ -91,6 +99,10 @@ class StreamRunner:
   def feeds(self, tenant: str | None = None) -> list[pb.FeedStatus]:
     """A snapshot of every running feed on this sidecar (of ``tenant`` only, if named)."""
     return self._book.running(tenant)
+
+  def kept_bytes(self) -> int:
+    """The arena bytes of feed batches kept for re-done steps (``feeds/kept.py``)."""
+    return 0 if self._replay is None else self._replay.kept_bytes()
 
   def tenant_batches(self) -> dict[str, int]:
     """Per tenant, the batches its feeds made here (running and ended)."""
@@ -158,8 +170,19 @@ class StreamRunner:
 
     check = functools.partial(blocks.check_batch, name=request.name,
                               prefetch=credits.prefetch)
-    batches = producer.produce(entry, kwargs, spec, blocks.alloc, make_workers, check, roots,
-                               alive)
+    def produce(spec: producer.Spec):
+      return producer.produce(entry, kwargs, spec, blocks.alloc, make_workers, check, roots,
+                              alive)
+
+    # Batches kept since the trainer's last save first, where this feed's are kept.
+    try:
+      batches = replay_lib.feed_batches(
+          self._replay, request, spec, produce, entry=entry, kwargs=kwargs, blocks=blocks,
+          tenant=tenant, told=credits.take_saved,
+          data=lambda: producer.data_identity(entry, kwargs, spec, roots, alive))
+    except BaseException:
+      blocks.close()
+      raise
     status = pb.FeedStatus(pipeline=request.name, workers=spec.workers)
     try:
       with self._tenancy.feeding(tenant, spec.workers), self._book.feeding(
@@ -171,13 +194,13 @@ class StreamRunner:
             return
           status.backpressure_s += time.perf_counter() - t0
           try:
-            batch, state, seconds = next(batches)
+            batch, state, seconds, to_arena = next(batches)
           except StopIteration:
             return
           status.batches += 1
           status.produce_s += seconds
           value = feed_batch.encode(batch.structure, batch.leaves, state, seconds,
-                                    to_arena=blocks.to_arena,
+                                    to_arena=to_arena,
                                     where=f"batch {index} of pipeline {request.name!r}")
           blocks.sent(batch.leaves)
           yield pb.StreamItem(index=index, batch=value)
