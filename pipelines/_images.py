@@ -70,10 +70,10 @@ def train_example(jpeg: bytes, *, seed: int | tuple[int, ...], size: int = SIZE)
   """One training image: decoded, a random-resized crop resized to ``size`` x ``size``,
   flipped left-right half the time, normalized: float32 ``[size, size, 3]``."""
   rng = np.random.default_rng(seed)
-  with Image.open(io.BytesIO(jpeg)) as img:
-    img = img.convert("RGB")  # decodes (a greyscale or CMYK JPEG becomes RGB)
-    box = crop_box(img.width, img.height, rng)
-    out = np.asarray(img.resize((size, size), Image.Resampling.BILINEAR, box=box))
+  with Image.open(io.BytesIO(jpeg)) as file:
+    img = file.convert("RGB")  # decodes (a greyscale or CMYK JPEG becomes RGB)
+  box = crop_box(img.width, img.height, rng)
+  out = np.asarray(img.resize((size, size), Image.Resampling.BILINEAR, box=box))
   if rng.random() < 0.5:
     out = out[:, ::-1]
   return normalize(out)
@@ -82,12 +82,12 @@ def train_example(jpeg: bytes, *, seed: int | tuple[int, ...], size: int = SIZE)
 def eval_example(jpeg: bytes, *, size: int = SIZE) -> np.ndarray:
   """One evaluation image: the centre crop of 87.5% of the shorter side, resized to ``size``
   x ``size``, normalized: float32 ``[size, size, 3]``."""
-  with Image.open(io.BytesIO(jpeg)) as img:
-    img = img.convert("RGB")
-    side = round(min(img.width, img.height) * 0.875)
-    left, top = (img.width - side) // 2, (img.height - side) // 2
-    out = np.asarray(img.resize((size, size), Image.Resampling.BILINEAR,
-                                box=(left, top, left + side, top + side)))
+  with Image.open(io.BytesIO(jpeg)) as file:
+    img = file.convert("RGB")
+  side = round(min(img.width, img.height) * 0.875)
+  left, top = (img.width - side) // 2, (img.height - side) // 2
+  out = np.asarray(img.resize((size, size), Image.Resampling.BILINEAR,
+                              box=(left, top, left + side, top + side)))
   return normalize(out)
 
 

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from sidecar._src.arena import shm
-from sidecar._src.core import errors, platform
+from sidecar._src.core import dtypes as dtypes_lib, errors, platform
 from sidecar._src.server.pool import shares as shares_lib
 from sidecar._src.user import data_roots
 from sidecar._src.wire import ipc, protocol
@@ -49,6 +49,7 @@ class _Worker:
   proc: subprocess.Popen
   sock: socket.socket
   tasks: dict[int, dict[str, Any]]  # sent, unanswered, by sequence number
+  answers: ipc.FrameReader  # on ``sock``: an answer's header and body in one ``recv``
 
 
 class FeedProcesses:
@@ -96,7 +97,7 @@ class FeedProcesses:
           [sys.executable, "-m", "sidecar._src.server.feeds.child", str(theirs.fileno()),
            str(self._arena.fd)], pass_fds=(theirs.fileno(), self._arena.fd),
           stdin=subprocess.DEVNULL, env=platform.sidecar_env(os.environ))
-    worker = _Worker(proc, ours, tasks)
+    worker = _Worker(proc, ours, tasks, ipc.FrameReader(ours))
     try:
       ipc.send(ours, self._hello)
       reply, _ = ipc.recv(ours)
@@ -124,8 +125,8 @@ class FeedProcesses:
       self._turns.take()
     seq, self._seq = self._seq, self._seq + 1
     i = seq % self.size
-    blocks = [[[self._arena.contains(a), list(a.shape), a.dtype.name] for a in leaf]
-              for leaf in out]
+    blocks = [[[self._arena.contains(a), list(a.shape), dtypes_lib.name_of(a.dtype)]
+               for a in leaf] for leaf in out]
     task = {"seq": seq, "epoch": step[0], "position": step[1], "blocks": blocks}
     worker = self._workers[i]
     worker.tasks[seq] = task
@@ -145,9 +146,8 @@ class FeedProcesses:
     i, seq = ticket
     while True:
       worker = self._workers[i]
-      self._wait_readable(worker.sock)
       try:
-        reply, _ = ipc.recv(worker.sock)
+        reply = self._answer(worker)
       except (ConnectionError, OSError):
         self._restart(i, seq)
         continue
@@ -157,6 +157,16 @@ class FeedProcesses:
         raise protocol.error_from_dict(reply["error"], host=f"feed worker {i}")
       if reply["seq"] == seq:
         return float(reply["produce_s"])
+
+  def _answer(self, worker: _Worker) -> dict[str, Any]:
+    """``worker``'s next answer: at once where it has come already (the workers ahead of
+    the feed: one ``recv``, no poll), else once it comes (``_wait_readable``)."""
+    try:
+      frame = worker.answers.read(wait=False)
+    except BlockingIOError:
+      self._wait_readable(worker.sock)
+      frame = worker.answers.read()
+    return ipc.message_of(frame)
 
   def _wait_readable(self, sock: socket.socket) -> None:
     """Returns once ``sock`` has data (or its end) to read; raises if the consumer died."""
