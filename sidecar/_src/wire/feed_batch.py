@@ -51,11 +51,11 @@ def encode(structure_value: pb.Value, leaves: Sequence[Sequence[np.ndarray]],
   """A batch's message; each array a descriptor where ``to_arena`` gives one."""
   return pb.FeedBatch(
       structure=structure_value, state_json=json.dumps(state), produce_s=produce_s,
-      leaves=[pb.FeedLeaf(parts=[_part(a, to_arena, where, i) for a in parts])
+      leaves=[pb.FeedLeaf(parts=[_encoded_array(a, to_arena, where, i) for a in parts])
               for i, parts in enumerate(leaves)])
 
 
-def _part(a: np.ndarray, to_arena: codec.ToArena | None, where: str, i: int) -> pb.Value:
+def _encoded_array(a: np.ndarray, to_arena: codec.ToArena | None, where: str, i: int) -> pb.Value:
   """One array of a batch: its descriptor where ``to_arena`` placed it (a block the feed
   made for it, C-contiguous in a dtype the batch's layout checked: nothing to check per
   batch), else encoded as any value is (checked, and inline where ``to_arena`` is None)."""
