@@ -20,7 +20,7 @@ import absl.flags
 import torch
 
 import sidecar.torch
-from benchmarks import feed_fns
+from benchmarks import feed_elements
 from benchmarks.common import table
 from sidecar._src.tools.local import LocalCluster
 
@@ -30,10 +30,10 @@ WARMUP_S = 8.0
 
 class Images(torch.utils.data.Dataset):
   def __init__(self, kind: str):
-    self.element = feed_fns.ELEMENTS[kind]
+    self.element = feed_elements.element_fn(kind)
 
   def __len__(self) -> int:
-    return feed_fns.N
+    return feed_elements.N
 
   def __getitem__(self, i: int):
     return self.element(i)
@@ -56,7 +56,7 @@ def consume(iterator, seconds: float) -> tuple[float, float]:
 
 def epochs(loader):
   """Batches of every epoch in turn, as the sidecar's feed (num_epochs=None) gives them:
-  one epoch of feed_fns.N elements lasts only a few seconds."""
+  one epoch of feed_elements.N elements lasts only a few seconds."""
   while True:
     yield from loader
 

@@ -10,9 +10,10 @@ batch crosses to the accelerator in a quarter of float32's bytes.
 
 Nothing here imports the sidecar: ``pipelines.vision`` (the registered pipeline), the
 vision example's Grain baseline and ``benchmarks.feed``'s heavy transform call the same
-:func:`decode_augment`. The randomness is an argument: a ``numpy.random.Generator`` made
-from (seed, image index) gives the same crop for the same image on any host, in any
-worker, before and after a restart.
+:func:`decode_augment` (the benchmark on :func:`synthetic_jpeg`'s photo-sized images).
+The randomness is an argument: a ``numpy.random.Generator`` made from (seed, image index)
+gives the same crop for the same image on any host, in any worker, before and after a
+restart.
 
 Example::
 
@@ -108,6 +109,28 @@ def encode(image: np.ndarray, *, quality: int = 90) -> bytes:
   """``image`` (uint8[h, w, 3]) as JPEG bytes, ``quality`` 1-95."""
   out = io.BytesIO()
   Image.fromarray(np.asarray(image, np.uint8), "RGB").save(out, format="JPEG", quality=quality)
+  return out.getvalue()
+
+
+def synthetic_jpeg(rng: np.random.Generator, *, width: int = 500, height: int = 375,
+                   quality: int = 90) -> bytes:
+  """A JPEG of a made-up photo-like image (smooth colour fields, edges, noise), as costly to
+  decode as a real one of its size: ImageNet's images average about 500 x 375 at this
+  quality."""
+  y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+  channels = []
+  for _ in range(3):
+    fx, fy, phase = rng.uniform(0.005, 0.05, 2).tolist() + [rng.uniform(0, 2 * np.pi)]
+    channels.append(128 + 90 * np.sin(fx * x + fy * y + phase))
+  image = np.stack(channels, axis=-1)
+  # A few hard-edged shapes, then noise, so the DCT blocks hold detail as a photo's do.
+  for _ in range(6):
+    x0, y0 = int(rng.integers(0, width)), int(rng.integers(0, height))
+    w, h = int(rng.integers(20, width // 2)), int(rng.integers(20, height // 2))
+    image[y0:y0 + h, x0:x0 + w] = rng.uniform(0, 255, 3)
+  image += rng.normal(0, 12, image.shape)
+  out = io.BytesIO()
+  Image.fromarray(np.clip(image, 0, 255).astype(np.uint8)).save(out, "JPEG", quality=quality)
   return out.getvalue()
 
 

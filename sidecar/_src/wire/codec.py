@@ -24,7 +24,7 @@ import numpy as np
 from google.protobuf import message as pb_message
 
 from sidecar._src.core import errors
-from sidecar._src.core.dtypes import dtype_of
+from sidecar._src.core.dtypes import dtype_of, name_of
 from sidecar._src.wire import pbscan
 from sidecar._src.wire.protocol import pb
 
@@ -52,7 +52,7 @@ class ArenaRef:
 
 def check_array(a: np.ndarray, where: str) -> np.ndarray:
   """``a`` as a C-contiguous native-order array of an allowed dtype."""
-  name = a.dtype.newbyteorder("=").name if a.dtype.byteorder not in "=|" else a.dtype.name
+  name = a.dtype.newbyteorder("=").name if a.dtype.byteorder not in "=|" else name_of(a.dtype)
   dtype_of(name, where)
   if a.dtype.byteorder not in "=|":
     a = a.astype(a.dtype.newbyteorder("="))
@@ -118,9 +118,7 @@ def _encode(x: Any, to_arena, limit: int, where: str, depth: int) -> pb.Value:
     if to_arena is not None and a.nbytes >= max(limit, 1):
       ref = to_arena(a)
       if ref is not None:
-        return pb.Value(arena=pb.ArenaRef(offset=ref.offset, nbytes=ref.nbytes,
-                                          generation=ref.generation, dtype=ref.dtype,
-                                          shape=ref.shape))
+        return arena_value(ref)
     return pb.Value(array=pb.Array(dtype=a.dtype.name, shape=a.shape, data=a.tobytes()))
   raise errors.InvalidArgumentError(
       f"{where}: values of type {type(x).__module__}.{type(x).__qualname__} cannot be sent; "
@@ -218,6 +216,12 @@ def decode(value: pb.Value, *, from_arena: FromArena | None = None, where: str =
   if budget is not None:
     budget.spend(where, elements=1)
   return _decode(value, from_arena, where, 0, budget)
+
+
+def arena_value(ref: ArenaRef) -> pb.Value:
+  """The encoded value of the array ``ref`` names."""
+  return pb.Value(arena=pb.ArenaRef(offset=ref.offset, nbytes=ref.nbytes,
+                                    generation=ref.generation, dtype=ref.dtype, shape=ref.shape))
 
 
 def arena_blocks(value: pb.Value) -> list[int]:

@@ -51,9 +51,19 @@ def encode(structure_value: pb.Value, leaves: Sequence[Sequence[np.ndarray]],
   """A batch's message; each array a descriptor where ``to_arena`` gives one."""
   return pb.FeedBatch(
       structure=structure_value, state_json=json.dumps(state), produce_s=produce_s,
-      leaves=[pb.FeedLeaf(parts=[
-          codec.encode(a, to_arena=to_arena, inline_limit=0, where=f"{where} leaf {i}")
-          for a in parts]) for i, parts in enumerate(leaves)])
+      leaves=[pb.FeedLeaf(parts=[_encoded_array(a, to_arena, where, i) for a in parts])
+              for i, parts in enumerate(leaves)])
+
+
+def _encoded_array(a: np.ndarray, to_arena: codec.ToArena | None, where: str, i: int) -> pb.Value:
+  """One array of a batch: its descriptor where ``to_arena`` placed it (a block the feed
+  made for it, C-contiguous in a dtype the batch's layout checked: nothing to check per
+  batch), else encoded as any value is (checked, and inline where ``to_arena`` is None)."""
+  if to_arena is not None and a.nbytes and a.flags.c_contiguous:
+    ref = to_arena(a)
+    if ref is not None:
+      return codec.arena_value(ref)
+  return codec.encode(a, to_arena=to_arena, inline_limit=0, where=f"{where} leaf {i}")
 
 
 def decode(batch: pb.FeedBatch, *, from_arena: codec.FromArena | None, where: str

@@ -291,7 +291,8 @@ def recv_bytes(sock: socket.socket, *, limit: int = MAX_MESSAGE) -> bytes:
 
 
 class FrameReader:
-  """Reads frames through a buffer: one ``recv`` can bring several small frames."""
+  """Reads frames through a buffer: one ``recv`` can bring several small frames (or a
+  frame's header and body at once)."""
 
   def __init__(self, sock: socket.socket, *, limit: int = MAX_MESSAGE):
     self._sock = sock
@@ -299,12 +300,12 @@ class FrameReader:
     self._buf = bytearray()
     self._pos = 0
 
-  def _fill(self, n: int) -> None:
+  def _fill(self, n: int, flags: int = 0) -> None:
     while len(self._buf) - self._pos < n:
       if self._pos:
         del self._buf[:self._pos]
         self._pos = 0
-      chunk = self._sock.recv(max(65536, n - len(self._buf)))
+      chunk = self._sock.recv(max(65536, n - len(self._buf)), flags)
       if not chunk:
         raise ConnectionError("the peer closed the socket")
       self._buf += chunk
@@ -313,13 +314,18 @@ class FrameReader:
     """Bytes received and not yet read as frames."""
     return len(self._buf) - self._pos
 
-  def read(self) -> bytes:
-    self._fill(_HEADER.size)
+  def read(self, *, wait: bool = True) -> bytes:
+    """The next frame. ``wait`` False: BlockingIOError unless a whole frame is there
+    already (what came of one stays buffered), with no system call beyond the ``recv``
+    (no switch of the socket's mode); the socket must then have no timeout (a timeout
+    waits before a ``recv``, whatever its flags)."""
+    flags = 0 if wait else socket.MSG_DONTWAIT
+    self._fill(_HEADER.size, flags)
     (length,) = _HEADER.unpack_from(self._buf, self._pos)
     if length > self._limit:
       raise errors.InvalidArgumentError(
           f"frame of {length} bytes exceeds the limit of {self._limit}")
-    self._fill(_HEADER.size + length)
+    self._fill(_HEADER.size + length, flags)
     start = self._pos + _HEADER.size
     self._pos = start + length
     return bytes(self._buf[start:self._pos])
@@ -363,11 +369,16 @@ def recv(sock: socket.socket, *, max_fds: int = 0) -> tuple[dict[str, Any], list
   (length,) = _HEADER.unpack(head)
   if length > MAX_MESSAGE:
     raise errors.InvalidArgumentError(f"control message of {length} bytes exceeds {MAX_MESSAGE}")
+  return message_of(_recv_exact(sock, length)), fds
+
+
+def message_of(data: bytes) -> dict[str, Any]:
+  """The control message (a JSON object) one frame holds, checked."""
   try:
-    message = json.loads(_recv_exact(sock, length))
+    message = json.loads(data)
   except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, nested too deep
     raise errors.InvalidArgumentError(
         f"malformed control message: {type(e).__name__}: {e}"[:300]) from None
   if not isinstance(message, dict):
     raise errors.InvalidArgumentError(f"control message must be an object, got {message!r:.80}")
-  return message, fds
+  return message

@@ -177,12 +177,17 @@ def cluster1():
 def test_workers_give_the_same_stream(cluster1):
   kw = dict(global_batch_size=8, sharding=data_sharding(2), kwargs={"n": 96}, seed=5,
             num_epochs=1)
+  ids = lambda b: np.asarray(b["id"]).tolist()
   with cluster1.controller() as ctl:
     with ctl.feed("ids", **kw) as feed:
-      plain = [np.asarray(b["id"]).tolist() for b in feed]
+      plain = [ids(b) for b in feed]
+    # Two workers, then, resumed from a state taken while batches were in flight in them, one
+    # worker: the same batches in the same order as none.
     with ctl.feed("ids", options=sidecar.FeedOptions(workers=2), **kw) as feed:
-      pooled = [np.asarray(b["id"]).tolist() for b in feed]
-    assert pooled == plain
+      head = [ids(next(feed)) for _ in range(5)]
+      state = feed.state()
+    with ctl.feed("ids", options=sidecar.FeedOptions(workers=1), state=state, **kw) as feed:
+      assert head + [ids(b) for b in feed] == plain
     with pytest.raises(sidecar.InvalidArgumentError, match="workers=N needs random access"):
       next(ctl.feed("shard_ids", global_batch_size=8, sharding=data_sharding(2),
                     options=sidecar.FeedOptions(workers=2)))

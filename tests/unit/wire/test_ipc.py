@@ -27,6 +27,24 @@ def test_frame_reader_reads_frames_that_arrive_together_or_in_pieces():
     assert reader.read() == b'{"op":"free"}'
 
 
+def test_a_frame_reader_that_must_not_wait_keeps_a_part_frame_until_the_rest_comes():
+  a, b = socket.socketpair()
+  with a, b:
+    reader = ipc.FrameReader(b)
+    frame = b"\x05\x00\x00\x00hello"
+    for part in (b"", frame[:2], frame[2:6]):  # nothing, a part of the header, part of the body
+      a.sendall(part)
+      with pytest.raises(BlockingIOError):
+        reader.read(wait=False)
+    a.sendall(frame[6:] + frame)
+    assert reader.read(wait=False) == b"hello" and reader.read(wait=False) == b"hello"
+    assert b.gettimeout() is None  # no switch of the socket's mode: it still waits
+    ipc.send(a, {"seq": 3})
+    assert ipc.message_of(reader.read()) == {"seq": 3}
+    with pytest.raises(errors.InvalidArgumentError, match="must be an object, got \\[1\\]"):
+      ipc.message_of(b"[1]")
+
+
 def test_frame_reader_limits_and_eof():
   a, b = socket.socketpair()
   with b:

@@ -157,11 +157,8 @@ class SocketCredits:
     failing (OSError, only around its own I/O) means the consumer is gone (``gone``)."""
     while not self.closed and not self.gone:
       try:
-        self._conn.setblocking(block)
-        try:
-          raw = self._reader.read()
-        finally:
-          self._conn.setblocking(True)
+        # The connection has no timeout (workers.py): a frame not there is BlockingIOError.
+        raw = self._reader.read(wait=block)
       except BlockingIOError:
         return  # nothing more waiting
       except OSError:  # ConnectionError included: the consumer closed it, or died

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from sidecar._src.arena import shm
-from sidecar._src.core import errors, platform
+from sidecar._src.core import dtypes as dtypes_lib, errors, platform
 from sidecar._src.server.pool import shares as shares_lib
 from sidecar._src.user import data_roots
 from sidecar._src.wire import ipc, protocol
@@ -49,6 +49,7 @@ class _Worker:
   proc: subprocess.Popen
   sock: socket.socket
   tasks: dict[int, dict[str, Any]]  # sent, unanswered, by sequence number
+  answers: ipc.FrameReader  # on ``sock``: an answer's header and body in one ``recv``
 
 
 class FeedProcesses:
@@ -82,33 +83,50 @@ class FeedProcesses:
     self._workers: list[_Worker] = []
     self._seq = 0
     self._restarts = 0
+    # Answers read before their batch was waited for (``_collect``), by sequence number.
+    self._early: dict[int, dict[str, Any]] = {}
+    self._answers = select.poll()  # every worker's socket: which have answered
     try:
+      # All start at once: each imports the pipeline's modules and builds it, seconds apart
+      # from none (one after another, 12 workers that import Grain took minutes to start).
       for i in range(size):
-        self._workers.append(self._spawn(i, {}))
+        self._workers.append(self._start(i, {}))
+      for i in range(size):
+        self._ready(i)
     except BaseException:
       self.close()
       raise
 
-  def _spawn(self, i: int, tasks: dict[int, dict[str, Any]]) -> _Worker:
+  def _start(self, i: int, tasks: dict[int, dict[str, Any]]) -> _Worker:
+    """Starts worker ``i`` and sends it the pipeline; ``_ready`` waits for it."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     with theirs:
       proc = subprocess.Popen(
           [sys.executable, "-m", "sidecar._src.server.feeds.child", str(theirs.fileno()),
            str(self._arena.fd)], pass_fds=(theirs.fileno(), self._arena.fd),
           stdin=subprocess.DEVNULL, env=platform.sidecar_env(os.environ))
-    worker = _Worker(proc, ours, tasks)
+    worker = _Worker(proc, ours, tasks, ipc.FrameReader(ours))
     try:
       ipc.send(ours, self._hello)
-      reply, _ = ipc.recv(ours)
+    except OSError:
+      pass  # it died at once: _ready says how
+    return worker
+
+  def _ready(self, i: int) -> None:
+    """Waits for worker ``i`` to have built the pipeline, then sends it its tasks (a
+    restarted worker redoes what its predecessor left)."""
+    worker = self._workers[i]
+    try:
+      reply, _ = ipc.recv(worker.sock)
     except OSError:  # it died before it answered: a crash while it imported or built
       self._stop(worker)
-      raise self._died(i, proc.returncode, "before it was ready") from None
+      raise self._died(i, worker.proc.wait(), "before it was ready") from None
     if "error" in reply:
       self._stop(worker)
       raise protocol.error_from_dict(reply["error"], host=f"feed worker {i}")
-    for task in tasks.values():  # a restarted worker redoes what its predecessor left
-      ipc.send(ours, task)
-    return worker
+    for task in worker.tasks.values():
+      ipc.send(worker.sock, task)
+    self._answers.register(worker.sock, select.POLLIN)
 
   def free(self) -> bool:
     """Whether ``submit`` would send at once: its tenant is below its share of the workers."""
@@ -123,9 +141,10 @@ class FeedProcesses:
     if self._turns is not None:
       self._turns.take()
     seq, self._seq = self._seq, self._seq + 1
-    i = seq % self.size
-    blocks = [[[self._arena.contains(a), list(a.shape), a.dtype.name] for a in leaf]
-              for leaf in out]
+    self._collect()
+    i = least_busy([len(w.tasks) for w in self._workers], seq % self.size)
+    blocks = [[[self._arena.contains(a), list(a.shape), dtypes_lib.name_of(a.dtype)]
+               for a in leaf] for leaf in out]
     task = {"seq": seq, "epoch": step[0], "position": step[1], "blocks": blocks}
     worker = self._workers[i]
     worker.tasks[seq] = task
@@ -143,20 +162,49 @@ class FeedProcesses:
       RemoteError: the pipeline raised in the worker, or its workers kept dying.
     """
     i, seq = ticket
-    while True:
+    while (reply := self._early.pop(seq, None)) is None:
       worker = self._workers[i]
-      self._wait_readable(worker.sock)
       try:
-        reply, _ = ipc.recv(worker.sock)
+        self._answered(worker, self._answer(worker))
       except (ConnectionError, OSError):
         self._restart(i, seq)
-        continue
-      if worker.tasks.pop(reply["seq"], None) is not None and self._turns is not None:
-        self._turns.give()
-      if "error" in reply:
-        raise protocol.error_from_dict(reply["error"], host=f"feed worker {i}")
-      if reply["seq"] == seq:
-        return float(reply["produce_s"])
+    if "error" in reply:
+      raise protocol.error_from_dict(reply["error"], host=f"feed worker {i}")
+    return float(reply["produce_s"])
+
+  def _answered(self, worker: _Worker, reply: dict[str, Any]) -> None:
+    """Takes ``worker``'s answer: its batch is done (its turn given back), and kept until
+    waited for, in order (a pipeline's error too)."""
+    if worker.tasks.pop(reply["seq"], None) is not None and self._turns is not None:
+      self._turns.give()
+    self._early[reply["seq"]] = reply
+
+  def _collect(self) -> None:
+    """Takes the answers that came already (one poll of every worker's socket), so that
+    ``submit`` sees which workers are free. A worker found dead is left to ``wait``, which
+    restarts it when its batch is due."""
+    for fd, _ in self._answers.poll(0):
+      for worker in self._workers:
+        if worker.sock.fileno() == fd:
+          try:
+            while True:
+              self._answered(worker, self._answer(worker, wait=False))
+          except (BlockingIOError, ConnectionError, OSError):
+            pass
+          break
+
+  def _answer(self, worker: _Worker, *, wait: bool = True) -> dict[str, Any]:
+    """``worker``'s next answer: at once where it has come already (the workers ahead of
+    the feed: one ``recv``, no poll), else once it comes (``_wait_readable``); ``wait``
+    False: BlockingIOError instead."""
+    try:
+      frame = worker.answers.read(wait=False)
+    except BlockingIOError:
+      if not wait:
+        raise
+      self._wait_readable(worker.sock)
+      frame = worker.answers.read()
+    return ipc.message_of(frame)
 
   def _wait_readable(self, sock: socket.socket) -> None:
     """Returns once ``sock`` has data (or its end) to read; raises if the consumer died."""
@@ -177,8 +225,11 @@ class FeedProcesses:
                        f"giving up at batch {seq}")
     log.warning("feed worker %d died (exit code %s); restarting it from batch %d, the first "
                 "it had not delivered", i, code, min(old.tasks, default=seq))
+    with contextlib.suppress(KeyError, ValueError):  # not registered yet, or closed
+      self._answers.unregister(old.sock)
     old.sock.close()
-    self._workers[i] = self._spawn(i, old.tasks)
+    self._workers[i] = self._start(i, old.tasks)
+    self._ready(i)
 
   def _died(self, i: int, code: int | None, when: str) -> errors.RemoteError:
     """The pipeline's failure where its worker process died (this sidecar lives on)."""
@@ -215,9 +266,18 @@ class FeedProcesses:
         w.tasks.clear()
     self._stop(*self._workers)
     self._workers = []
+    self._early.clear()
 
   def __enter__(self) -> FeedProcesses:
     return self
 
   def __exit__(self, *exc) -> None:
     self.close()
+
+
+def least_busy(loads: list[int], start: int) -> int:
+  """The worker with the fewest batches to make (``loads``, by worker): a slower one (a
+  core it shares, a costlier batch) is given fewer, and the feed is not held to its pace.
+  Among equals, the first from ``start`` on (the batch's turn): they take turns."""
+  n = len(loads)
+  return min(range(start, start + n), key=lambda j: loads[j % n]) % n

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import sidecar
-from sidecar._src.server.feeds import producer
+from sidecar._src.server.feeds import processes, producer
 from sidecar._src.user import registry as registry_lib
 from sidecar._src.wire import codec, feed_batch
 
@@ -178,3 +178,13 @@ def test_a_glob_the_pipeline_walks_as_it_opens_stops_once_its_client_is_gone(tmp
     producer.length(entry, {}, spec, roots, alive=lambda: False)
   batch, _, _ = next(producer.produce(entry, {}, spec, alloc, roots=roots, alive=lambda: True))
   np.testing.assert_array_equal(as_tree(batch)["x"][0], [3] * 5)
+
+
+@pytest.mark.parametrize("loads,start,want", [
+    ([2, 2, 2], 1, 1),  # all equal: the batch's turn
+    ([2, 0, 1], 0, 1),  # the one with nothing to make, wherever the turn is
+    ([1, 2, 1], 1, 2),  # equals after the turn before those before it
+    ([3, 1, 1, 0], 2, 3),
+], ids=["equal", "idle", "tie-after-turn", "fewest"])
+def test_a_batch_goes_to_the_worker_with_the_fewest_to_make(loads, start, want):
+  assert processes.least_busy(loads, start) == want
