@@ -25,7 +25,11 @@ A checkpoint it cannot resume from ends it with the error and the flag that gets
 it: a damaged latest step names ``--restore-step N`` (an older step that checks intact)
 and ``--fallback`` (the newest that restores whole); data that changed since the
 checkpoint names ``--start-feed-anew`` (the restored model, the feed from its start on
-the data given). Run the same command again with the flag.
+the data given). Run the same command again with the flag. Training on from a step older
+than the latest, it first sets the later steps aside (``ckpt.set_aside``: each moved,
+whole, to ``<ckpt>/set-aside-<step>``, which no restore or retention takes for a step,
+and said in a line), so that it saves their numbers anew; remove those directories once
+you are done with them.
 """
 
 from __future__ import annotations
@@ -56,10 +60,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  help="testing: how often --fail-at's step raises in this process")
   p.add_argument("--restore-step", type=int, metavar="N",
                  help="restore step N of --ckpt instead of the latest (one a refused restore "
-                      "named as intact); training goes on from it")
+                      "named as intact); training goes on from it, the later steps set "
+                      "aside (<ckpt>/set-aside-<step>)")
   p.add_argument("--fallback", action="store_true",
                  help="where the latest step of --ckpt does not restore whole, restore the "
-                      "newest older one that does (ckpt.restore(fallback=True))")
+                      "newest older one that does (ckpt.restore(fallback=True)); the steps "
+                      "it skipped are set aside (<ckpt>/set-aside-<step>)")
   p.add_argument("--start-feed-anew", action="store_true",
                  help="resume the model from --ckpt but start the feed from the beginning "
                       "of --data (its saved position is for data that changed since)")
@@ -106,6 +112,16 @@ def restore_or_init(ckpt, config, optimizer, sharding, args):
                                          else "")
 
 
+def set_aside_later(ckpt, step: int, say) -> None:
+  """Training goes on from ``step``: the committed steps after it (a damaged step that
+  ``--fallback`` skipped, or those ``--restore-step`` passed over) are set aside, each
+  said, so that their numbers are saved anew (a save never replaces a committed step)."""
+  for later in [s for s in ckpt.all_steps() if s > step]:
+    where = ckpt.set_aside(later)
+    say(f"set aside step {later} as {where} (newer than step {step}, which training goes on "
+        f"from): its number is saved anew; remove that directory once you are done with it")
+
+
 def flag_for(e: Exception) -> str | None:
   """What this command line can do about ``e`` (the library's error names the API):
   ``--restore-step``/``--fallback`` for a damaged step, ``--start-feed-anew`` for data
@@ -114,7 +130,9 @@ def flag_for(e: Exception) -> str | None:
     older = re.search(r"restore\((\d+), \.\.\.\)", str(e))
     step = older.group(1) if older else "N"
     return (f"From this command line: run it again with --restore-step {step} (that step), "
-            "or with --fallback (the newest step that restores whole)")
+            "or with --fallback (the newest step that restores whole); either sets the "
+            "steps after the one restored aside (<ckpt>/set-aside-<step>) and trains on, "
+            "saving their numbers anew")
   if (isinstance(e, sidecar.PipelineInvalidArgumentError)
       and "the data changed since the checkpoint" in str(e)):
     return ("From this command line: run it again on the --data the checkpoint was made "
@@ -170,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
       step, state, data_state, how = restore_or_init(ckpt, config, optimizer, replicated,
                                                      args)
+      set_aside_later(ckpt, step, say)
       say(f"pid {os.getpid()} {how}: {model.param_count(state['params']):,} parameters on "
           f"{jax.device_count()} device(s) in {jax.process_count()} process(es); training "
           f"to step {args.steps}")

@@ -115,7 +115,7 @@ class Checkpointer:
     self._driver = driver(Setup(site=site, directory=self.directory, options=options,
                                 replicas=self.replicas, placement=self.placement,
                                 steps=self.all_steps))
-    self._saves = self._asked = self._restores = 0
+    self._saves = self._asked = self._restores = self._asides = 0
     self.restored_step: int | None = None  # the step the latest restore() returned
     self._in_flight: SaveHandle | None = None
     # The saves that failed and are not settled yet (save_failures.py: the rule).
@@ -430,6 +430,38 @@ class Checkpointer:
   def latest_step(self) -> int | None:
     steps = self.all_steps()
     return steps[-1] if steps else None
+
+  @interrupts.deferring  # Ctrl-C: after the move, which is one rename
+  def set_aside(self, step: int) -> str:
+    """Moves committed ``step`` out of this directory's steps, kept on storage whole as
+    ``<directory>/set-aside-<step>`` (``-2``, ``-3``, ... where that is taken), which no
+    listing, restore or retention takes for a step; its RAM-tier copies are dropped.
+    Returns that path (in every process).
+
+    For training that goes on from an older step than the latest: a save never replaces
+    a committed step, so the steps after the one restored are set aside first, a
+    damaged one above all (``restore(fallback=True)`` skipped it: ``restored_step`` is
+    older than ``latest_step()``), and their numbers are then saved anew::
+
+      state = ckpt.restore(target=abstract_state, fallback=True)
+      for step in [s for s in ckpt.all_steps() if s > ckpt.restored_step]:
+        print(f"step {step} set aside as {ckpt.set_aside(step)}")
+
+    Nothing is deleted: remove the directory once you are done with it. Waits for a save
+    in flight first. Every process makes the same calls.
+
+    Raises:
+      InvalidArgumentError: ``step`` is not a committed step.
+    """
+    self._check_open()
+    self._follow()
+    self._join()  # a save in flight lists its step (and may delete old ones) first
+    self._asides += 1
+    moved = self._retention.set_aside(step)
+    if self._peers.count > 1:  # process 0 moved it; all say where
+      moved = self._peers.broadcast(f"{self._key}/aside/{self._asides}",
+                                    moved if self._lead else None)
+    return moved
 
   def save_in_flight(self) -> SaveHandle | None:
     """The handle of this checkpointer's latest save while it is not durable yet; None
