@@ -15,7 +15,7 @@ latest checkpoint in ``--ckpt`` (from the sidecars' RAM tier where they hold it,
 storage) and trains on to ``--steps``; the steps after the restored one repeat the
 losses of an uninterrupted run exactly on CPU. Process 0 appends one JSON line per step
 to ``--metrics``: ``{"step": n, "loss": x, "time": unix seconds when step n's loss was
-ready}``, and prints a progress line every ``--progress-every`` seconds. Saves every
+ready}``, with ``"first": true`` on the first step of each start and rollback, and prints a progress line every ``--progress-every`` seconds. Saves every
 ``--save-every`` steps and after the last. With ``--recover-in-process``, a step that
 raises rolls back to the latest committed step in the same process
 (``sidecar.jax.Recovery``); the same step failing again ends the process. With
@@ -145,7 +145,8 @@ def train(args, ckpt, feed, train_step, state, step: int, *, metrics, progress, 
           fault: Fault, injected: trainers.Faults) -> int:
   """Steps from ``step`` to ``args.steps``, saving every ``--save-every``; returns the last
   step. A step that raises goes to ``recovery`` (None: it ends the run)."""
-  pending = None  # (step, loss): read once the next step is queued, so the device is busy
+  pending = None  # (step, loss, first): read once the next step is queued (the device busy)
+  first = True  # the next step is the first of this start: its line says so (plot.py)
   progress.start(step)
   while step < args.steps:
     try:
@@ -161,9 +162,10 @@ def train(args, ckpt, feed, train_step, state, step: int, *, metrics, progress, 
       state = batch = pending = None  # the failed state's memory, free for the restored one
       step, state = recovery.recover(e, step=step + 1)  # logs what failed and what it did
       progress.start(step)
+      first = True
       continue
     step += 1
-    pending = (step, loss)
+    pending, first = (step, loss, first), False
     if step % args.save_every == 0 or step == args.steps:
       ckpt.save(step, state, data_state=feed.state())
   if pending is not None:

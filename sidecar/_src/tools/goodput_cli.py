@@ -81,6 +81,19 @@ def bars(ledger: goodput_lib.Ledger) -> list[Bar]:
   return out
 
 
+def title(ledger: goodput_lib.Ledger) -> str:
+  """The timeline's title: the goodput of the wall time, and where the axis runs longer
+  (a run that finished, then a later one: nothing ran between), by how much and why."""
+  plural = "" if ledger.restarts == 1 else "s"
+  text = f"goodput {100 * ledger.goodput:.1f}% of {ledger.wall_s:.1f} s, {ledger.restarts} " \
+         f"restart{plural}"
+  span = (ledger.lives[-1].end - ledger.lives[0].start) if ledger.lives else 0.0
+  if span - ledger.wall_s >= 0.05:
+    text += (f"; the axis runs {span:.1f} s: {span - ledger.wall_s:.1f} s between runs, "
+             "nothing running, are not counted")
+  return text
+
+
 def life_label(row: int, life: goodput_lib.Life) -> str:
   """A life's name on the timeline: where it started from, and where it rolled back to
   inside the process."""
@@ -129,8 +142,7 @@ def plot(ledger: goodput_lib.Ledger, path: str) -> None:
                 [life_label(row, life) for row, life in enumerate(ledger.lives)])
   ax.invert_yaxis()
   ax.set_xlabel("seconds since the job started")
-  ax.set_title(f"goodput {100 * ledger.goodput:.1f}% of {ledger.wall_s:.1f} s, "
-               f"{ledger.restarts} restart{'' if ledger.restarts == 1 else 's'}")
+  ax.set_title(title(ledger))
   try:
     fig.savefig(path, dpi=120, bbox_inches="tight")
   except (OSError, ValueError) as e:  # a missing directory, no permission; no such format

@@ -153,6 +153,21 @@ def test_each_refusal_the_command_line_can_fix_names_its_flag():
   assert train.flag_for(sidecar.InvalidArgumentError("something else")) is None
 
 
+def test_plot_breaks_the_line_where_a_restart_resumed_right_after_the_last_line(tmp_path):
+  """Issue 79 item 5: a run killed right after its step 4's line and resumed from step 4
+  goes on at 5: the steps go up across the restart, and a line was drawn over the gap.
+  train.py marks the first line of each start; plot.py breaks there."""
+  plot, trainers = _load("plot"), _load("trainers")
+  metrics = tmp_path / "run.jsonl"
+  with open(metrics, "a") as f:
+    for step, t, first in [(1, 0, True), (2, 1, False), (3, 2, False), (4, 3, False),
+                           (5, 30, True), (6, 31, False)]:
+      trainers.write_metric(f, step, jax.numpy.float32(10.0 - step), first)
+  lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+  assert [line.get("first", False) for line in lines] == [True, False, False, False, True, False]
+  assert [p.steps for p in plot.segments(str(metrics))] == [[1, 2, 3, 4], [5, 6]]
+
+
 def test_the_progress_line_says_step_loss_rate_and_the_last_durable_step():
   trainers = _load("trainers")
   now, durable, out = [100.0], [None], io.StringIO()
