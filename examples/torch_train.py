@@ -11,10 +11,10 @@ batch of 64 digits from its own sidecar (``sidecar.torch.DataLoader``: tensors o
 sidecar's arena, no copy), trains a small MLP under DDP, and every 20 steps saves the
 model, the optimizer and the loader's position with ``sidecar.torch.Checkpointer``: DCP
 checkpoints, each stalling the step for one copy into the arena, that stock
-``torch.distributed.checkpoint`` reads as they are. Run it again with a larger ``--steps``
-and it resumes from the last step saved, with the data where it stopped. With torchrun, start the sidecars with
-``sidecar local`` and set ``SIDECAR_HOSTS`` and each rank's ``SIDECAR_ADDRESS`` (README,
-"PyTorch").
+``torch.distributed.checkpoint`` reads as they are. Run it again with a larger
+``--steps`` and it resumes from the last step saved, with the data where it stopped. With
+torchrun, start the sidecars with ``sidecar local`` and set ``SIDECAR_HOSTS`` and each
+rank's ``SIDECAR_ADDRESS`` (README, "PyTorch").
 
 Options: ``--steps N`` (default 60): train until global step N (steps 0 to N-1), counted
 across runs, so a trainer restarted mid-run (``sidecar launch --max-restarts``) ends at

@@ -15,8 +15,9 @@ latest checkpoint in ``--ckpt`` (from the sidecars' RAM tier where they hold it,
 storage) and trains on to ``--steps``; the steps after the restored one repeat the
 losses of an uninterrupted run exactly on CPU. Process 0 appends one JSON line per step
 to ``--metrics``: ``{"step": n, "loss": x, "time": unix seconds when step n's loss was
-ready}``, with ``"first": true`` on the first step of each start and rollback, and prints a progress line every ``--progress-every`` seconds. Saves every
-``--save-every`` steps and after the last. With ``--recover-in-process``, a step that
+ready}``, with ``"first": true`` on the first step of each start and rollback, and
+prints a progress line every ``--progress-every`` seconds. Saves every ``--save-every``
+steps and after the last. With ``--recover-in-process``, a step that
 raises rolls back to the latest committed step in the same process
 (``sidecar.jax.Recovery``); the same step failing again ends the process. With
 ``--inject-faults`` (testing), ``trainers.INJECT``'s signals make a step raise or hang.

@@ -160,8 +160,8 @@ def test_plot_breaks_the_line_where_a_restart_resumed_right_after_the_last_line(
   plot, trainers = _load("plot"), _load("trainers")
   metrics = tmp_path / "run.jsonl"
   with open(metrics, "a") as f:
-    for step, t, first in [(1, 0, True), (2, 1, False), (3, 2, False), (4, 3, False),
-                           (5, 30, True), (6, 31, False)]:
+    for step, first in [(1, True), (2, False), (3, False), (4, False), (5, True),
+                        (6, False)]:
       trainers.write_metric(f, step, jax.numpy.float32(10.0 - step), first)
   lines = [json.loads(line) for line in metrics.read_text().splitlines()]
   assert [line.get("first", False) for line in lines] == [True, False, False, False, True, False]
