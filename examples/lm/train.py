@@ -47,6 +47,8 @@ import trainers  # noqa: E402
 
 import sidecar  # noqa: E402
 
+INTERRUPTED = 130  # the exit status of a run Ctrl-C stopped, as a shell's
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   p = trainers.parser(__doc__.split("\n\n")[0],
@@ -186,36 +188,46 @@ def main(argv: list[str] | None = None) -> int:
   say = (lambda line: print(line, flush=True)) if me == 0 else (lambda line: None)
   injected = trainers.Faults(args.inject_faults, say=lambda line: print(line, flush=True))
 
-  with sidecar.jax.Controller.from_env() as ctl:
-    ckpt = ctl.checkpointer(os.path.abspath(args.ckpt), max_to_keep=args.keep)
-    try:
-      step, state, data_state, how = restore_or_init(ckpt, config, optimizer, replicated,
-                                                     args)
-      set_aside_later(ckpt, step, say)
-      say(f"pid {os.getpid()} {how}: {model.param_count(state['params']):,} parameters on "
-          f"{jax.device_count()} device(s) in {jax.process_count()} process(es); training "
-          f"to step {args.steps}")
-      kwargs = {"data": os.path.abspath(args.data), "seq_len": config.seq_len}
-      with (ctl.feed("lm", global_batch_size=config.batch_size, sharding=rows, seed=args.seed,
-                     kwargs=kwargs, state=data_state) as feed,
-            open(args.metrics if me == 0 else os.devnull, "a") as metrics):
-        recovery = sidecar.jax.Recovery(
-            ckpt, feed, target=model.abstract_state(config, optimizer, sharding=replicated)
-        ) if args.recover_in_process else None
-        progress = trainers.Progress(args.progress_every if me == 0 else 0, ckpt.latest_step)
-        step = train(args, ckpt, feed, train_step, state, step, metrics=metrics,
-                     progress=progress, recovery=recovery,
-                     fault=Fault(args.fail_at, args.fail_times, say=me == 0),
-                     injected=injected)
-    finally:
-      ckpt.close()  # waits for the last save to be durable
+  ckpt = None
+  try:
+    with sidecar.jax.Controller.from_env() as ctl:
+      ckpt = ctl.checkpointer(os.path.abspath(args.ckpt), max_to_keep=args.keep)
+      try:
+        step, state, data_state, how = restore_or_init(ckpt, config, optimizer, replicated,
+                                                       args)
+        set_aside_later(ckpt, step, say)
+        say(f"pid {os.getpid()} {how}: {model.param_count(state['params']):,} parameters on "
+            f"{jax.device_count()} device(s) in {jax.process_count()} process(es); training "
+            f"to step {args.steps}")
+        kwargs = {"data": os.path.abspath(args.data), "seq_len": config.seq_len}
+        with (ctl.feed("lm", global_batch_size=config.batch_size, sharding=rows, seed=args.seed,
+                       kwargs=kwargs, state=data_state) as feed,
+              open(args.metrics if me == 0 else os.devnull, "a") as metrics):
+          recovery = sidecar.jax.Recovery(
+              ckpt, feed, target=model.abstract_state(config, optimizer, sharding=replicated)
+          ) if args.recover_in_process else None
+          progress = trainers.Progress(args.progress_every if me == 0 else 0, ckpt.latest_step)
+          step = train(args, ckpt, feed, train_step, state, step, metrics=metrics,
+                       progress=progress, recovery=recovery,
+                       fault=Fault(args.fail_at, args.fail_times, say=me == 0),
+                       injected=injected)
+      finally:
+        ckpt.close()  # waits for the last save to be durable
+  except KeyboardInterrupt:  # Ctrl-C: the checkpointer closed, its last save waited for
+    latest = ckpt.latest_step() if ckpt is not None else None
+    if me == 0:
+      print(f"train.py: stopped (Ctrl-C); the latest committed step of {args.ckpt} is "
+            + (f"{latest}: run the same command again to resume from it" if latest is not None
+               else "none: the same command starts anew"), file=sys.stderr, flush=True)
+    return INTERRUPTED
   say(f"trained to step {step}; checkpoints {ckpt.all_steps()}")
   return 0
 
 
 def run(argv: list[str] | None = None) -> int:
   """:func:`main`, where an error this command line can fix ends it with that error and
-  the flag (exit status 2), not a traceback."""
+  the flag (exit status 2), not a traceback. Ctrl-C ends it with one line naming the step
+  to resume from (exit status 130, a shell's for SIGINT: :func:`main`)."""
   try:
     return main(argv)
   except (sidecar.CorruptCheckpointError, sidecar.PipelineInvalidArgumentError) as e:

@@ -330,3 +330,28 @@ def test_a_launch_stopped_by_sigterm_after_a_save_warns_of_nothing(data, tmp_pat
   assert p.returncode == 128 + signal.SIGTERM, out
   assert "got SIGTERM; stopping every process" in out, out
   assert "WARNING" not in out and "not held by" not in out, out
+
+
+def test_ctrl_c_on_the_trainer_ends_it_with_one_line_naming_the_step_to_resume_from(
+    data, tmp_path):
+  """Issue 79 item 5: Ctrl-C on the README's trainer (run beside `sidecar local`) printed a
+  21-line KeyboardInterrupt traceback. SIGINT to the trainer alone, as a terminal's Ctrl-C
+  reaches it there (the sidecars run in the background)."""
+  metrics, ckpt = tmp_path / "metrics.jsonl", tmp_path / "ckpt"
+  p = _launch(data, ckpt, metrics, "--steps", "100000")
+  try:
+    trainer, header = _until_saved(p, ckpt, metrics)
+    os.kill(trainer, signal.SIGINT)
+    out = header + p.communicate(timeout=120)[0]
+  finally:
+    if p.poll() is None:
+      p.kill()
+      p.wait()
+  after = out.split(header, 1)[1]
+  trainer_lines = [line for line in after.splitlines() if line.startswith("[host 0] ")
+                   and not PROGRESS.search(line)]
+  assert len(trainer_lines) == 1, out
+  assert re.fullmatch(rf"\[host 0\] train.py: stopped \(Ctrl-C\); the latest committed step of "
+                      rf"{ckpt} is \d+: run the same command again to resume from it",
+                      trainer_lines[0]), out
+  assert "host 0's trainer exited with code 130" in out, out
