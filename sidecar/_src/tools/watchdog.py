@@ -379,7 +379,8 @@ class Watchdog:
 def probe(addresses: Sequence[str], *, token: str | None, timeout: float, send_stacks: bool,
           say: Callable[[str], None]) -> int:
   """``sidecar stalls``: 1 where a trainer attached to one of the sidecars at ``addresses``
-  is stalled (a "stall" line for each; with ``send_stacks``, its stacks asked for where
+  is stalled (a "stall" line for each, and a "not stalled" line, with its state, for each
+  of the others; with ``send_stacks``, its stacks asked for where
   :func:`_unsignalled` finds no reason not to: the k8s trainer container's liveness probe
   runs beside it), else 0. A sidecar that does not answer is said, and is no stall: its own
   probes watch it."""
@@ -395,7 +396,16 @@ def probe(addresses: Sequence[str], *, token: str | None, timeout: float, send_s
           "no stall can be told")
       continue
     for t in got.trainers:
-      if not t.stalled or t.ended:
+      if t.ended:
+        continue
+      if not t.stalled:  # said all the same: a gap on its way to a stall shows here
+        say(f"host {got.identity.host_id} rank {t.rank} not stalled: "
+            f"{status_lib.trainer_state(t)}" + (
+                f", its last step {t.since_step_s:.1f} s ago" if t.since_step_s >= 0 else
+                " (its clock starts at its first completed step)")
+            + (f", in it {t.phase_s:.0f} s" if t.phase else "")
+            + (f" (its stall timeout {t.stall_timeout_s:.1f} s)" if t.stall_timeout_s > 0
+               else " (no stall timeout)"))
         continue
       found += 1
       say(f"host {got.identity.host_id} rank {t.rank} stalled: no step for "
