@@ -138,8 +138,8 @@ def trainer_state(t: pb.TrainerStatus) -> str:
 
 def format_trainers(rows: Rows) -> str:
   """One line per trainer attached to each sidecar (and those ended in the last minute):
-  its rank, process, restart, steps (batches its trainer took from the sidecar's feeds,
-  or its saves), the time of its last step and the seconds since, the stall timeout in
+  its rank, process, restart, steps (batches its trainer took from the sidecar's feeds),
+  the time of its last step and the seconds since, the stall timeout in
   force (its phase's budget included; "off": none), its phase and its state."""
   lines = [TRAINER_HEADER]
   for _, s in rows:
