@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 log = logging.getLogger(__name__)
+SAY_AFTER_S = 1.0  # a wait in a pool's admission queue this long is said in a warning
 
 
 def in_notebook() -> bool:
@@ -104,7 +105,8 @@ class Queued:
   """A request waiting in a pool's admission queue: its tenant, place and estimate, and
   how long it may wait (``limit_s``; None: as long as its turn takes), redrawn on a tqdm
   line as the sidecar reports them where one is seen, and said once in a warning
-  wherever (a script's stderr, a log), so no wait for arena room is silent.
+  wherever (a script's stderr, a log) once it has lasted :data:`SAY_AFTER_S` (the
+  sidecar reports every second), so no wait for arena room is silent.
   ``close()`` is idempotent."""
 
   def __init__(self, what: str, limit_s: float | None = None):
@@ -124,7 +126,7 @@ class Queued:
             f"queue, {place.get('position')} of {place.get('waiting')}, "
             + ("no estimate yet" if eta is None else f"about {float(eta):.0f} s left")
             + f"; {limit}")
-    if not self._said:
+    if not self._said and waited >= SAY_AFTER_S:  # a wait of a moment is no news
       self._said = True
       log.warning("%s (docs/pool.md, Admission)", text)
     if not enabled():
