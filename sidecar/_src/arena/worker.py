@@ -155,6 +155,9 @@ class Worker:
     # would make them all.
     self.arena = shm.Arena.attach(fds[0], int(reply["arena_size"]),
                                   populate=bool(reply.get("arena_populate", True)))
+    # A pool tenant's arena (made as written): its allocs may wait their turn in the
+    # admission queue (_flush_frees); elsewhere one fails at once, and _reclaim retries.
+    self._queues = not bool(reply.get("arena_populate", True))
     self.state = State.ATTACHED
     self._live = 0
     self._generations: dict[int, int] = {}  # block offset -> generation, of live views
@@ -405,6 +408,8 @@ class Worker:
     alloc that may wait its turn in a pool's admission queue: the lock it holds through
     that wait would keep them back, and the room it waits for may be theirs (a call's
     result dropped just before the next call: issue 79 item 4, a wait to its timeout)."""
+    if not self._queues:
+      return
     deadline = time.monotonic() + JOIN_S
     while self._releasing and time.monotonic() < deadline:
       time.sleep(FREE_DELAY_S / 10)
