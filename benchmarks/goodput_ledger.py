@@ -1,11 +1,12 @@
 """Goodput computed from outside the job: its metrics lines, its processes' lifetimes.
 
-The same arithmetic for every system, from what any trainer leaves behind: the
-metrics file (one ``{"step", "loss", "time"}`` line per step), the lifetime of each
-trainer process (start, as ``/proc`` says; death: the SIGKILL, its exit, or the end of
-the window) with the failure that ended it, and the errors it survived (rolled back
-in-process: the trainer's ``fault:`` line says when). Lines belong to the process alive
-at their time. The job's wall clock ``[t0, t_end]`` splits without overlap into:
+The same arithmetic for every system, from what any trainer leaves behind: the metrics
+file (one ``{"step", "loss", "time"}`` line per step, ``"first"`` on a start's first),
+the lifetime of each trainer process (start, as ``/proc`` says; death: the SIGKILL, its
+exit, or the end of the window) with the failure that ended it, and the errors it
+survived (rolled back in-process: the trainer's ``fault:`` line says when). Lines belong
+to the process alive at their time. The job's wall clock ``[t0, t_end]`` splits without
+overlap into:
 
   productive   the steps of the final lineage: for each step, its last computation
                (the one the finished job's trajectory holds); a step lasts from the

@@ -11,12 +11,15 @@ batch of 64 digits from its own sidecar (``sidecar.torch.DataLoader``: tensors o
 sidecar's arena, no copy), trains a small MLP under DDP, and every 20 steps saves the
 model, the optimizer and the loader's position with ``sidecar.torch.Checkpointer``: DCP
 checkpoints, each stalling the step for one copy into the arena, that stock
-``torch.distributed.checkpoint`` reads as they are. Run it again and it resumes from the
-last step saved, with the data where it stopped. With torchrun, start the sidecars with
-``sidecar local`` and set ``SIDECAR_HOSTS`` and each rank's ``SIDECAR_ADDRESS`` (README,
-"PyTorch").
+``torch.distributed.checkpoint`` reads as they are. Run it again with a larger
+``--steps`` and it resumes from the last step saved, with the data where it stopped. With
+torchrun, start the sidecars with ``sidecar local`` and set ``SIDECAR_HOSTS`` and each
+rank's ``SIDECAR_ADDRESS`` (README, "PyTorch").
 
-Options: ``--steps N`` (default 60), ``--dir DIR``: where the checkpoints go (default:
+Options: ``--steps N`` (default 60): train until global step N (steps 0 to N-1), counted
+across runs, so a trainer restarted mid-run (``sidecar launch --max-restarts``) ends at
+the same step as one never stopped, and a run with nothing left to do says so;
+``--dir DIR``: where the checkpoints go (default:
 ``$TMPDIR/sidecar-torch-train-UID``, outside the checkout, the same for every rank of this
 machine and every run, so a second run resumes; give a directory of your own to keep them).
 """
@@ -37,17 +40,27 @@ import sidecar.torch
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--steps", type=int, default=60)
+  parser.add_argument("--steps", type=int, default=60,
+                      help="train until this global step (steps 0 to STEPS-1, counted across "
+                           "runs: a resumed run trains the steps left)")
   parser.add_argument("--dir", default=os.path.join(tempfile.gettempdir(),
                                                      f"sidecar-torch-train-{os.getuid()}"),
                       help="where the checkpoints go (default: %(default)s)")
   return parser.parse_args(argv)
 
 
+def steps_left(first: int, steps: int) -> range:
+  """The steps a run that resumes at ``first`` trains: up to global step ``steps`` (not
+  ``steps`` more: a restarted run ends where one never stopped does)."""
+  return range(first, steps)
+
+
 def main() -> None:
   args = parse_args()
 
   ctl = sidecar.torch.connect()  # starts the gloo group from torchrun's environment
+  if not dist.is_initialized():  # one rank: a group of its own, for DDP, with no network
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
   rank, world = dist.get_rank(), dist.get_world_size()
   torch.manual_seed(0)
   model = DDP(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
@@ -69,7 +82,10 @@ def main() -> None:
     first = start + 1
 
   step, loss = first - 1, torch.tensor(0.0)
-  for step, batch in zip(range(first, first + args.steps), loader):
+  if first >= args.steps and rank == 0:
+    print(f"nothing to train: step {first - 1} is saved, and --steps {args.steps} ends "
+          "before it; pass a larger --steps to train on", flush=True)
+  for step, batch in zip(steps_left(first, args.steps), loader):
     loss = F.cross_entropy(model(batch["image"]), batch["label"].long())
     optim.zero_grad()
     loss.backward()
@@ -80,9 +96,11 @@ def main() -> None:
   ckpt.close()  # waits for the last save to be durable
   loader.close()
   if rank == 0:
-    print(f"trained steps {first}-{step} on {world} ranks, loss {loss.item():.3f}; "
-          f"saved steps {ckpt.all_steps()}", flush=True)
-    print(f"checkpoints in {os.path.abspath(args.dir)}: run again to resume", flush=True)
+    if step >= first:
+      print(f"trained steps {first}-{step} on {world} ranks, loss {loss.item():.3f}; "
+            f"saved steps {ckpt.all_steps()}", flush=True)
+    print(f"checkpoints in {os.path.abspath(args.dir)}: run again with a larger --steps to "
+          "train on from them", flush=True)
   ctl.close()
   dist.destroy_process_group()
 

@@ -4,8 +4,10 @@
 
 Each file is one curve; where a file holds a step more than once (a run killed and
 resumed, or rolled back in-process, appends), its last line counts, and time runs on
-across the restart. Each run (a stretch of lines whose steps go up) is its own segment:
-no line is drawn across a restart.
+across the restart. Each run is its own segment: no line is drawn across a restart. A run
+begins at a line that says ``"first": true`` (train.py writes it on the first step of each
+start and rollback), or where a step is not more than the one before it (a file written
+before that mark).
 """
 
 from __future__ import annotations
@@ -25,14 +27,15 @@ class Segment(NamedTuple):
 
 
 def segments(path: str) -> list[Segment]:
-  """A metrics file's curve, one segment per run: a run begins where a step is not more
-  than the one before it; of a step written more than once, the last line counts."""
+  """A metrics file's curve, one segment per run: a run begins at a line marked
+  ``"first"``, or where a step is not more than the one before it; of a step written more
+  than once, the last line counts."""
   lines = [json.loads(line) for line in pathlib.Path(path).read_text().splitlines() if line]
   if not lines:
     return []
   run, last, previous = 0, {}, None
   for line in lines:
-    if previous is not None and line["step"] <= previous:
+    if previous is not None and (line.get("first") or line["step"] <= previous):
       run += 1
     last[line["step"]] = (run, line)
     previous = line["step"]

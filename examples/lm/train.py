@@ -15,8 +15,9 @@ latest checkpoint in ``--ckpt`` (from the sidecars' RAM tier where they hold it,
 storage) and trains on to ``--steps``; the steps after the restored one repeat the
 losses of an uninterrupted run exactly on CPU. Process 0 appends one JSON line per step
 to ``--metrics``: ``{"step": n, "loss": x, "time": unix seconds when step n's loss was
-ready}``, and prints a progress line every ``--progress-every`` seconds. Saves every
-``--save-every`` steps and after the last. With ``--recover-in-process``, a step that
+ready}``, with ``"first": true`` on the first step of each start and rollback, and
+prints a progress line every ``--progress-every`` seconds. Saves every ``--save-every``
+steps and after the last. With ``--recover-in-process``, a step that
 raises rolls back to the latest committed step in the same process
 (``sidecar.jax.Recovery``); the same step failing again ends the process. With
 ``--inject-faults`` (testing), ``trainers.INJECT``'s signals make a step raise or hang.
@@ -25,7 +26,11 @@ A checkpoint it cannot resume from ends it with the error and the flag that gets
 it: a damaged latest step names ``--restore-step N`` (an older step that checks intact)
 and ``--fallback`` (the newest that restores whole); data that changed since the
 checkpoint names ``--start-feed-anew`` (the restored model, the feed from its start on
-the data given). Run the same command again with the flag.
+the data given). Run the same command again with the flag. Training on from a step older
+than the latest, it first sets the later steps aside (``ckpt.set_aside``: each moved,
+whole, to ``<ckpt>/set-aside-<step>``, which no restore or retention takes for a step,
+and said in a line), so that it saves their numbers anew; remove those directories once
+you are done with them.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ import trainers  # noqa: E402
 
 import sidecar  # noqa: E402
 
+INTERRUPTED = 130  # the exit status of a run Ctrl-C stopped, as a shell's
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   p = trainers.parser(__doc__.split("\n\n")[0],
@@ -56,10 +63,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  help="testing: how often --fail-at's step raises in this process")
   p.add_argument("--restore-step", type=int, metavar="N",
                  help="restore step N of --ckpt instead of the latest (one a refused restore "
-                      "named as intact); training goes on from it")
+                      "named as intact); training goes on from it, the later steps set "
+                      "aside (<ckpt>/set-aside-<step>)")
   p.add_argument("--fallback", action="store_true",
                  help="where the latest step of --ckpt does not restore whole, restore the "
-                      "newest older one that does (ckpt.restore(fallback=True))")
+                      "newest older one that does (ckpt.restore(fallback=True)); the steps "
+                      "it skipped are set aside (<ckpt>/set-aside-<step>)")
   p.add_argument("--start-feed-anew", action="store_true",
                  help="resume the model from --ckpt but start the feed from the beginning "
                       "of --data (its saved position is for data that changed since)")
@@ -106,6 +115,16 @@ def restore_or_init(ckpt, config, optimizer, sharding, args):
                                          else "")
 
 
+def set_aside_later(ckpt, step: int, say) -> None:
+  """Training goes on from ``step``: the committed steps after it (a damaged step that
+  ``--fallback`` skipped, or those ``--restore-step`` passed over) are set aside, each
+  said, so that their numbers are saved anew (a save never replaces a committed step)."""
+  for later in [s for s in ckpt.all_steps() if s > step]:
+    where = ckpt.set_aside(later)
+    say(f"set aside step {later} as {where} (newer than step {step}, which training goes on "
+        f"from): its number is saved anew; remove that directory once you are done with it")
+
+
 def flag_for(e: Exception) -> str | None:
   """What this command line can do about ``e`` (the library's error names the API):
   ``--restore-step``/``--fallback`` for a damaged step, ``--start-feed-anew`` for data
@@ -114,7 +133,9 @@ def flag_for(e: Exception) -> str | None:
     older = re.search(r"restore\((\d+), \.\.\.\)", str(e))
     step = older.group(1) if older else "N"
     return (f"From this command line: run it again with --restore-step {step} (that step), "
-            "or with --fallback (the newest step that restores whole)")
+            "or with --fallback (the newest step that restores whole); either sets the "
+            "steps after the one restored aside (<ckpt>/set-aside-<step>) and trains on, "
+            "saving their numbers anew")
   if (isinstance(e, sidecar.PipelineInvalidArgumentError)
       and "the data changed since the checkpoint" in str(e)):
     return ("From this command line: run it again on the --data the checkpoint was made "
@@ -127,7 +148,8 @@ def train(args, ckpt, feed, train_step, state, step: int, *, metrics, progress, 
           fault: Fault, injected: trainers.Faults) -> int:
   """Steps from ``step`` to ``args.steps``, saving every ``--save-every``; returns the last
   step. A step that raises goes to ``recovery`` (None: it ends the run)."""
-  pending = None  # (step, loss): read once the next step is queued, so the device is busy
+  pending = None  # (step, loss, first): read once the next step is queued (the device busy)
+  first = True  # the next step is the first of this start: its line says so (plot.py)
   progress.start(step)
   while step < args.steps:
     try:
@@ -143,9 +165,10 @@ def train(args, ckpt, feed, train_step, state, step: int, *, metrics, progress, 
       state = batch = pending = None  # the failed state's memory, free for the restored one
       step, state = recovery.recover(e, step=step + 1)  # logs what failed and what it did
       progress.start(step)
+      first = True
       continue
     step += 1
-    pending = (step, loss)
+    pending, first = (step, loss, first), False
     if step % args.save_every == 0 or step == args.steps:
       ckpt.save(step, state, data_state=feed.state())
   if pending is not None:
@@ -165,35 +188,46 @@ def main(argv: list[str] | None = None) -> int:
   say = (lambda line: print(line, flush=True)) if me == 0 else (lambda line: None)
   injected = trainers.Faults(args.inject_faults, say=lambda line: print(line, flush=True))
 
-  with sidecar.jax.Controller.from_env() as ctl:
-    ckpt = ctl.checkpointer(os.path.abspath(args.ckpt), max_to_keep=args.keep)
-    try:
-      step, state, data_state, how = restore_or_init(ckpt, config, optimizer, replicated,
-                                                     args)
-      say(f"pid {os.getpid()} {how}: {model.param_count(state['params']):,} parameters on "
-          f"{jax.device_count()} device(s) in {jax.process_count()} process(es); training "
-          f"to step {args.steps}")
-      kwargs = {"data": os.path.abspath(args.data), "seq_len": config.seq_len}
-      with (ctl.feed("lm", global_batch_size=config.batch_size, sharding=rows, seed=args.seed,
-                     kwargs=kwargs, state=data_state) as feed,
-            open(args.metrics if me == 0 else os.devnull, "a") as metrics):
-        recovery = sidecar.jax.Recovery(
-            ckpt, feed, target=model.abstract_state(config, optimizer, sharding=replicated)
-        ) if args.recover_in_process else None
-        progress = trainers.Progress(args.progress_every if me == 0 else 0, ckpt.latest_step)
-        step = train(args, ckpt, feed, train_step, state, step, metrics=metrics,
-                     progress=progress, recovery=recovery,
-                     fault=Fault(args.fail_at, args.fail_times, say=me == 0),
-                     injected=injected)
-    finally:
-      ckpt.close()  # waits for the last save to be durable
+  ckpt = None
+  try:
+    with sidecar.jax.Controller.from_env() as ctl:
+      ckpt = ctl.checkpointer(os.path.abspath(args.ckpt), max_to_keep=args.keep)
+      try:
+        step, state, data_state, how = restore_or_init(ckpt, config, optimizer, replicated,
+                                                       args)
+        set_aside_later(ckpt, step, say)
+        say(f"pid {os.getpid()} {how}: {model.param_count(state['params']):,} parameters on "
+            f"{jax.device_count()} device(s) in {jax.process_count()} process(es); training "
+            f"to step {args.steps}")
+        kwargs = {"data": os.path.abspath(args.data), "seq_len": config.seq_len}
+        with (ctl.feed("lm", global_batch_size=config.batch_size, sharding=rows, seed=args.seed,
+                       kwargs=kwargs, state=data_state) as feed,
+              open(args.metrics if me == 0 else os.devnull, "a") as metrics):
+          recovery = sidecar.jax.Recovery(
+              ckpt, feed, target=model.abstract_state(config, optimizer, sharding=replicated)
+          ) if args.recover_in_process else None
+          progress = trainers.Progress(args.progress_every if me == 0 else 0, ckpt.latest_step)
+          step = train(args, ckpt, feed, train_step, state, step, metrics=metrics,
+                       progress=progress, recovery=recovery,
+                       fault=Fault(args.fail_at, args.fail_times, say=me == 0),
+                       injected=injected)
+      finally:
+        ckpt.close()  # waits for the last save to be durable
+  except KeyboardInterrupt:  # Ctrl-C: the checkpointer closed, its last save waited for
+    latest = ckpt.latest_step() if ckpt is not None else None
+    if me == 0:
+      print(f"train.py: stopped (Ctrl-C); the latest committed step of {args.ckpt} is "
+            + (f"{latest}: run the same command again to resume from it" if latest is not None
+               else "none: the same command starts anew"), file=sys.stderr, flush=True)
+    return INTERRUPTED
   say(f"trained to step {step}; checkpoints {ckpt.all_steps()}")
   return 0
 
 
 def run(argv: list[str] | None = None) -> int:
   """:func:`main`, where an error this command line can fix ends it with that error and
-  the flag (exit status 2), not a traceback."""
+  the flag (exit status 2), not a traceback. Ctrl-C ends it with one line naming the step
+  to resume from (exit status 130, a shell's for SIGINT: :func:`main`)."""
   try:
     return main(argv)
   except (sidecar.CorruptCheckpointError, sidecar.PipelineInvalidArgumentError) as e:

@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     progress.start(step)
     injected = trainers.Faults(args.inject_faults, say=lambda line: print(line, flush=True))
     with open(args.metrics, "a") as metrics:
-      pending = None  # (step, loss): read once the next step is queued, as train.py does
+      pending = None  # (step, loss, first): read once the next step is queued, as train.py
+      first = True  # does; the first step of this start says so (plot.py)
       while step < args.steps:
         batch = jax.device_put(next(iterator), rows)
         injected.check(step + 1)  # an error ends the process: its launcher restarts it
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         step += 1
         if pending is not None:
           progress.step(pending[0], trainers.write_metric(metrics, *pending))
-        pending = (step, loss)
+        pending, first = (step, loss, first), False
         if step % args.save_every == 0 or step == args.steps:
           # The iterator has yielded exactly the batches of steps 1..step: its state now
           # resumes at step + 1 (Grain's handler reads it inside save()).

@@ -59,11 +59,14 @@ def data_parallel(config: Any) -> tuple[Any, Any, Any, Any]:
   return optimizer, train_step, replicated, rows
 
 
-def write_metric(metrics: TextIO, step: int, loss: Any) -> float:
+def write_metric(metrics: TextIO, step: int, loss: Any, first: bool = False) -> float:
   """Step ``step``'s line: ``{"step", "loss", "time"}``, the loss read from this process's
-  copy of the replicated value, the time when it was ready; returns the loss."""
+  copy of the replicated value, the time when it was ready, and ``"first": true`` where
+  ``first``: the first step of a start (or of an in-process rollback), where plot.py
+  breaks the line; returns the loss."""
   value = float(loss.addressable_data(0))
-  metrics.write(json.dumps({"step": step, "loss": value, "time": time.time()}) + "\n")
+  line = {"step": step, "loss": value, "time": time.time(), **({"first": True} if first else {})}
+  metrics.write(json.dumps(line) + "\n")
   metrics.flush()
   return value
 

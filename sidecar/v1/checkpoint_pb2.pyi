@@ -314,16 +314,20 @@ class CheckpointAbortResponse(_message.Message):
     def __init__(self, committed: _Optional[str] = ...) -> None: ...
 
 class CheckpointDeleteRequest(_message.Message):
-    __slots__ = ("directory", "step")
+    __slots__ = ("directory", "step", "set_aside")
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    SET_ASIDE_FIELD_NUMBER: _ClassVar[int]
     directory: str
     step: int
-    def __init__(self, directory: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+    set_aside: bool
+    def __init__(self, directory: _Optional[str] = ..., step: _Optional[int] = ..., set_aside: _Optional[bool] = ...) -> None: ...
 
 class CheckpointDeleteResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("set_aside_as",)
+    SET_ASIDE_AS_FIELD_NUMBER: _ClassVar[int]
+    set_aside_as: str
+    def __init__(self, set_aside_as: _Optional[str] = ...) -> None: ...
 
 class CheckpointForgetRequest(_message.Message):
     __slots__ = ("directory", "step")

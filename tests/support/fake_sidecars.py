@@ -255,10 +255,15 @@ class FakeSidecars(CheckpointTransport):
     self.records.pop((host, final_dir), None)
     return self._phase("abort", host, "")  # aborted ("": no commit of it here)
 
-  def delete(self, host, directory, step):
+  def delete(self, host, directory, step, *, set_aside=False):
     future = self._phase("delete", host)
     if future.exception() is None:
+      there = step in self.steps[directory]
       self.steps[directory].discard(step)
+      if set_aside:
+        moved: concurrent.futures.Future = concurrent.futures.Future()
+        moved.set_result(f"{directory}/set-aside-{step}" if there else "")
+        return moved
     return future
 
   def forget(self, host, directory, step):

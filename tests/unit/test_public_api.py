@@ -92,7 +92,7 @@ def test_the_public_checkpointer_is_what_users_call():
   public = {n for n in dir(sidecar.jax.Checkpointer) if not n.startswith("_")}
   assert public - DEPRECATED_METHODS == {
       "all_steps", "close", "data_state", "drop_ram_tier", "last_restore_stats",
-      "latest_step", "restore", "save", "save_in_flight", "wait"}
+      "latest_step", "restore", "save", "save_in_flight", "set_aside", "wait"}
 
 
 

@@ -155,10 +155,14 @@ class Worker:
     # would make them all.
     self.arena = shm.Arena.attach(fds[0], int(reply["arena_size"]),
                                   populate=bool(reply.get("arena_populate", True)))
+    # A pool tenant's arena (made as written): its allocs may wait their turn in the
+    # admission queue (_flush_frees); elsewhere one fails at once, and _reclaim retries.
+    self._queues = not bool(reply.get("arena_populate", True))
     self.state = State.ATTACHED
     self._live = 0
     self._generations: dict[int, int] = {}  # block offset -> generation, of live views
     self._freed: queue.SimpleQueue = queue.SimpleQueue()
+    self._releasing = False  # the release thread holds frees it has not sent yet
     self._releaser = threading.Thread(target=self._release_loop, name="sidecar-worker-free",
                                       daemon=True)
     self._releaser.start()
@@ -311,7 +315,8 @@ class Worker:
     message: dict[str, Any] = {"op": "alloc", "sizes": sizes, "report_s": self.timeout / 3}
     if timeout is not None:
       message["timeout"] = timeout
-    bar = progress.queued(f"{sum(sizes)} bytes of arena")
+    bar = progress.queued(f"{shm.format_size(sum(sizes))} of arena", timeout)
+    self._flush_frees()
     try:
       while True:
         try:
@@ -384,15 +389,34 @@ class Worker:
   def _release_loop(self) -> None:
     while True:
       item = self._freed.get()
-      time.sleep(FREE_DELAY_S)  # Let frees gather: one message for many, fewer wake-ups.
-      blocks = self._drain([item] if item is not None else [])
-      with self._lock:
-        self._send_frees(blocks)
-        done = self.state is State.CLOSING and self._live == 0
-        if done:
-          self._shutdown()
+      self._releasing = True
+      try:
+        time.sleep(FREE_DELAY_S)  # Let frees gather: one message for many, fewer wake-ups.
+        blocks = self._drain([item] if item is not None else [])
+        with self._lock:
+          self._send_frees(blocks)
+          done = self.state is State.CLOSING and self._live == 0
+          if done:
+            self._shutdown()
+      finally:
+        self._releasing = False
       if done or self.state is State.CLOSED:
         return
+
+  def _flush_frees(self) -> None:
+    """Sends every free let go of so far, those the release thread gathers too, before an
+    alloc that may wait its turn in a pool's admission queue: the lock it holds through
+    that wait would keep them back, and the room it waits for may be theirs (a call's
+    result dropped just before the next call: issue 79 item 4, a wait to its timeout)."""
+    if not self._queues:
+      return
+    deadline = time.monotonic() + JOIN_S
+    while self._releasing and time.monotonic() < deadline:
+      time.sleep(FREE_DELAY_S / 10)
+    blocks = self._drain([])
+    if blocks:
+      with self._lock:
+        self._send_frees(blocks)
 
   def _send_frees(self, blocks: list) -> None:
     """Counts ``blocks`` let go of and tells the sidecar; the lock is held."""

@@ -27,7 +27,7 @@ from typing import Any
 import grpc
 
 from sidecar._src.arena import worker as worker_lib
-from sidecar._src.controller import socket_calls
+from sidecar._src.controller import arena_wait, socket_calls
 from sidecar._src.controller.connection import MAX_MESSAGE, Connection
 from sidecar._src.core import errors, interrupts
 from sidecar._src.wire import codec, parts as wire_parts, pbscan, protocol
@@ -288,11 +288,14 @@ class Calls:
     # the call runs): a stopped or hung one ends the call with HostLostError within about
     # the peer timeout, as gRPC's keepalive does.
     quiet_s = w.quiet_s
-    poll = interrupts.POLL_S if threading.current_thread() is threading.main_thread() else quiet_s
+    poll = interrupts.POLL_S if threading.current_thread() is threading.main_thread() else (
+        min(quiet_s, arena_wait.EVERY_S))
     heard = started = time.monotonic()
+    room = arena_wait.ArenaWait(self._connection(host_id), host_id, name, timeout)
     try:
       while (response := lane.receive(_wait(deadline, poll))) is None:
         interrupts.check()  # Ctrl-C: KeyboardInterrupt
+        room.look()  # a wait for arena room says so (a pool's admission queue)
         now = time.monotonic()
         if now >= deadline:
           raise errors.DeadlineExceededError(
@@ -318,6 +321,8 @@ class Calls:
     except BaseException:  # Ctrl-C: it runs on, its slot held until its deadline
       self._callers.start(lambda: self._drain(lanes, lane, host_id, name, deadline, slot, end))
       raise
+    finally:
+      room.close()
     lanes.give_back(lane)
     slot()
     end()

@@ -1,7 +1,10 @@
 """``sidecar status``: one table row per sidecar, read with the Status RPC.
 
-``--json`` prints one object with every host, for scripts; ``--watch`` redraws the
-tables every ``--interval`` seconds, with rates measured between two refreshes.
+Under it, a row per trainer attached (:func:`format_trainers`: its rank, process, steps,
+its last step and the seconds since, the stall timeout in force, its phase and what that
+makes it), then the feeds and the checkpoints. ``--json`` prints one object with every
+host, for scripts; ``--watch`` redraws the tables every ``--interval`` seconds, with rates
+measured between two refreshes.
 """
 
 from __future__ import annotations
@@ -96,14 +99,68 @@ def format_table(rows: Sequence[tuple[str, pb.StatusResponse | Exception]]) -> s
       continue
     ident = s.identity
     names = ", ".join(f"{e.name} ({e.kind})" for e in s.registry) or "(none)"
-    process = str(ident.process_index) if ident.HasField("process_index") else "-"
+    # One process that owns every device declares no index (the sidecars' --device-ids
+    # say whose devices are whose, or its trainer's are): its trainers' ranks say who.
+    ranks = sorted({t.rank for t in s.trainers if not t.ended and t.rank >= 0})
+    process = (str(ident.process_index) if ident.HasField("process_index") else
+               "rank " + ",".join(map(str, ranks)) if ranks else "-")
+    devices = ",".join(map(str, ident.device_ids)) or ("its trainer's" if ranks else "-")
     lines.append((address, str(ident.host_id), str(ident.slice_id), process,
-                  ",".join(map(str, ident.device_ids)) or "-", ident.hostname, str(ident.pid),
+                  devices, ident.hostname, str(ident.pid),
                   f"{shm.format_size(s.arena_used)}/{shm.format_size(s.arena_size)}",
                   str(s.arena_blocks), str(s.workers), str(s.calls), f"{s.uptime_s:.0f}s", names))
   widths = [max(len(row[i]) for row in lines) for i in range(len(header) - 1)]
   return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1]
                    for row in lines)
+
+
+TRAINER_HEADER = ("HOST", "RANK", "PID", "RESTART", "STEPS", "LAST STEP", "SINCE",
+                  "STALL TIMEOUT", "PHASE", "STATE")
+
+
+def trainer_state(t: pb.TrainerStatus) -> str:
+  """What a trainer's step signal makes it, in a word or three: ``ended``, ``STALLED``
+  (no step for longer than its stall timeout), ``starting`` (before its first completed
+  step: its start, a restore, its first compile are never timed), ``in phase NAME`` (a
+  long phase it announced), ``stepping``; a gap past half its timeout says so."""
+  if t.ended:
+    return "ended"
+  if t.stalled:
+    return "STALLED"
+  if t.since_step_s < 0:
+    return "starting"
+  if t.phase:
+    return f"in phase {t.phase}"
+  if t.stall_timeout_s > 0 and t.since_step_s > t.stall_timeout_s / 2:
+    return f"no step for {100 * t.since_step_s / t.stall_timeout_s:.0f}% of its timeout"
+  return "stepping"
+
+
+def format_trainers(rows: Rows) -> str:
+  """One line per trainer attached to each sidecar (and those ended in the last minute):
+  its rank, process, restart, steps (batches its trainer took from the sidecar's feeds),
+  the time of its last step and the seconds since, the stall timeout in
+  force (its phase's budget included; "off": none), its phase and its state."""
+  lines = [TRAINER_HEADER]
+  for _, s in rows:
+    if isinstance(s, Exception):
+      continue
+    for t in s.trainers:
+      timed = t.since_step_s >= 0
+      last = (time.strftime("%H:%M:%S", time.localtime(t.last_step_unix))
+              if timed and t.last_step_unix > 0 else "-")
+      phase = f"{t.phase} ({t.phase_s:.0f} s)" if t.phase else (
+          "startup" if not timed and not t.ended else "-")
+      lines.append((str(s.identity.host_id), str(t.rank) if t.rank >= 0 else "-",
+                    str(t.pid) if t.pid_verified else f"{t.pid} (unverified)",
+                    str(t.restart) if t.restart >= 0 else "-", str(t.steps), last,
+                    f"{t.since_step_s:.1f} s" if timed else "-",
+                    f"{t.stall_timeout_s:.0f} s" if t.stall_timeout_s > 0 else "off",
+                    phase, trainer_state(t)))
+  if len(lines) == 1:
+    return "no trainers attached"
+  widths = [max(len(row[i]) for row in lines) for i in range(len(TRAINER_HEADER))]
+  return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in lines)
 
 
 def format_feeds(rows: Sequence[tuple[str, pb.StatusResponse | Exception]]) -> str:
@@ -229,6 +286,8 @@ def print_status(addresses: Sequence[str], *, timeout: float, token: str | None 
   if tenants := format_tenants(rows):
     print(tenants, file=sys.stdout)
     print(file=sys.stdout)
+  print(format_trainers(rows), file=sys.stdout)
+  print(file=sys.stdout)
   print(format_feeds(rows), file=sys.stdout)
   print(file=sys.stdout)
   print(format_checkpoints(rows), file=sys.stdout)
@@ -256,6 +315,7 @@ def format_live(rows: Rows, previous: Rows | None, seconds: float) -> str:
   lines = [format_table(rows), ""]
   if tenants := format_tenants(rows):
     lines += [tenants, ""]
+  lines += [format_trainers(rows), ""]
   before = _feed_keys(previous or ())
   header = ("HOST", "PIPELINE", "BATCHES", "BATCHES/S", "PRODUCE MS", "BACKPRESSURE MS",
             "TRAINER WAIT MS")

@@ -41,7 +41,9 @@ event, else its last event):
   step, where it saved no such step) to the rollback: ``redone`` too, counted once where
   the spans overlap. The rest of the step time is ``productive``;
 - ``stall``: of a life that died stalled, its last step .. its end (its ``seen``, the
-  moment the sidecar found it stalled): no step was made, and a launcher killed it;
+  moment the sidecar found it stalled): no step was made, and a launcher killed it; of a
+  life still running that its sidecar finds stalled now (``sidecar goodput`` asks it:
+  :func:`open_gap`), its last step .. now;
 - ``restart_gap``: a death (its ``seen``, the last sign of life, where it is later than
   the life's last event; or a life's last event, where its end was never seen) .. the
   next life's start; ``restarts`` counts them;
@@ -319,9 +321,13 @@ class _Life:
     return max(e.t for e in self.events), "running"
 
   def stalled(self) -> float | None:
-    """Its last step, where it died stalled (its died event says so)."""
+    """Its last step, where it died stalled (its died event says so), or, where it still
+    runs, where its last event says it is stalled now (a hang in progress past its
+    timeout: ``sidecar goodput``'s view of a live job, :func:`open_gap`)."""
     died = self.first("died")
-    return None if died is None else died.stalled
+    if died is not None:
+      return died.stalled
+    return self.events[-1].stalled if self.events[-1].kind == "mark" else None
 
   def resumed_from(self) -> int | None:
     """The step restored before the first step (a restart's); restores after it are
@@ -416,10 +422,10 @@ def _split(life: _Life, start: float, end: float, ended: str, later: Sequence[_L
            stall: bool = True) -> dict[str, Any]:
   """One life's span split into the categories (all but restart_gap) and productive;
   ``later``: the lives after it."""
-  stalled = life.stalled() if ended == "died" and stall else None
+  stalled = life.stalled() if ended in ("died", "running") and stall else None
   if stalled is not None:  # no step after it: that time is the stall's, not a step's
     stall_s = end - max(start, min(stalled, end))
-    split = _split(life, start, end - stall_s, "died", later, stall=False)
+    split = _split(life, start, end - stall_s, ended, later, stall=False)
     split["stall"] = stall_s
     return split
   last = life.last_counters()
@@ -532,6 +538,8 @@ def check_events(items: Sequence[Any], *, limit: int) -> list[Event]:
   for e in events:
     if e.kind == "died":
       raise ValueError("a died event is the sidecar's to write, never a trainer's")
+    if e.stalled is not None:
+      raise ValueError("an event's stalled is the sidecar's to say, never a trainer's")
     if len(e.line()) > MAX_LINE:
       raise ValueError(f"an event's line must be at most {MAX_LINE} bytes")
   return events

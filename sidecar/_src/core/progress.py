@@ -7,10 +7,15 @@ wait has lasted ``delay`` seconds; a short wait prints nothing.
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
+
+log = logging.getLogger(__name__)
+SAY_AFTER_S = 1.0  # a wait in a pool's admission queue this long is said in a warning
 
 
 def in_notebook() -> bool:
@@ -89,26 +94,45 @@ def waiting(what: str, *, delay: float = 2.0) -> Iterator[None]:
     thread.join(5)
 
 
+def bar(text: str) -> Any:
+  """A one-line tqdm status of ``text`` with the time elapsed (call where :func:`enabled`);
+  its ``set_description_str`` redraws it, ``close`` ends it."""
+  return _tqdm()(total=None, bar_format="{desc} [{elapsed}]", desc=text, leave=False,
+                 file=sys.stderr)
+
+
 class Queued:
-  """A tqdm line for a request waiting in a pool's admission queue: its tenant, place and
-  estimate, redrawn as the sidecar reports them; nothing where no bar would be seen.
+  """A request waiting in a pool's admission queue: its tenant, place and estimate, and
+  how long it may wait (``limit_s``; None: as long as its turn takes), redrawn on a tqdm
+  line as the sidecar reports them where one is seen, and said once in a warning
+  wherever (a script's stderr, a log) once it has lasted :data:`SAY_AFTER_S` (the
+  sidecar reports every second), so no wait for arena room is silent.
   ``close()`` is idempotent."""
 
-  def __init__(self, what: str):
-    self._what = what
+  def __init__(self, what: str, limit_s: float | None = None):
+    self._what, self._limit = what, limit_s
+    self._started = time.monotonic()
     self._bar: Any = None
+    self._said = False
 
   def update(self, place: dict[str, Any]) -> None:
     """Shows ``place`` (``admission.Place.to_dict()``: tenant, position, waiting, eta_s)."""
-    if not enabled():
-      return
     eta = place.get("eta_s")
+    waited = time.monotonic() - self._started
+    limit = ("it waits as long as its turn takes" if self._limit is None else
+             f"it gives up in {max(self._limit - waited, 0.0):.0f} s (its timeout, "
+             f"{self._limit:.3g} s)")
     text = (f"{self._what}: tenant {place.get('tenant')!r} waits in the sidecar's arena "
             f"queue, {place.get('position')} of {place.get('waiting')}, "
-            + ("no estimate yet" if eta is None else f"about {float(eta):.0f} s left"))
+            + ("no estimate yet" if eta is None else f"about {float(eta):.0f} s left")
+            + f"; {limit}")
+    if not self._said and waited >= SAY_AFTER_S:  # a wait of a moment is no news
+      self._said = True
+      log.warning("%s (docs/pool.md, Admission)", text)
+    if not enabled():
+      return
     if self._bar is None:
-      self._bar = _tqdm()(total=None, bar_format="{desc} [{elapsed}]", desc=text,
-                          leave=False, file=sys.stderr)
+      self._bar = bar(text)
     else:
       self._bar.set_description_str(text)
 
@@ -118,6 +142,7 @@ class Queued:
       self._bar = None
 
 
-def queued(what: str) -> Queued:
-  """A :class:`Queued` line for ``what`` (e.g. ``"arena block"``)."""
-  return Queued(what)
+def queued(what: str, limit_s: float | None = None) -> Queued:
+  """A :class:`Queued` line for ``what`` (e.g. ``"arena block"``), that may wait
+  ``limit_s`` seconds (None: as long as its turn takes)."""
+  return Queued(what, limit_s)

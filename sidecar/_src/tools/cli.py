@@ -384,10 +384,12 @@ def parser() -> argparse.ArgumentParser:
                  help="the trainer command, run once per host")
   s.set_defaults(func=_launch, parser=s)
 
-  s = add("status", help="show sidecars' identity, registry and arena use",
-          description="Ask each sidecar for its identity, registry, arena use, feeds and "
-                      "checkpoint steps, with the token of --token-file, $SIDECAR_TOKEN or "
-                      "$SIDECAR_TOKEN_FILE (and TLS where $SIDECAR_TLS_CA says so). Exit "
+  s = add("status", help="show sidecars' identity, arena use and trainers",
+          description="Ask each sidecar for its identity, registry, arena use, a row per "
+                      "trainer (its last step, the seconds since, the stall timeout in force, "
+                      "its phase), feeds and checkpoint steps, with the token of "
+                      "--token-file, $SIDECAR_TOKEN or $SIDECAR_TOKEN_FILE (and TLS where "
+                      "$SIDECAR_TLS_CA says so). Exit "
                       "status 1 if any is unreachable.")
   cli_types.add_status_flags(
       s, json_help="print one JSON object with every host, for scripts (default: a table)",

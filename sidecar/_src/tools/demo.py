@@ -253,11 +253,18 @@ def train(ctl, *, steps: int, global_batch_size: int, checkpoint_every: int, ckp
       f"epoch {state['epoch']}, example {state['position']}")
   t = time.perf_counter()
   ckpt.wait(progress=lambda line: say("  " + line))
+  nbytes = sum(x.nbytes for x in jax.tree.leaves(params))
   say(f"Checkpoints: {len(blocked)} saves, the trainer blocked "
       f"{np.median(blocked) * 1e3:.1f} ms per save (median); the sidecars wrote them in "
       f"Orbax's layout to {ckpt_dir} (steps {ckpt.all_steps()}, the last durable "
       f"{(time.perf_counter() - t) * 1e3:.0f} ms after training ended); the demo removes "
       "that directory when it ends.")
+  say(f"  (A state of {nbytes / 1024:.0f} KiB: the time blocked is the save's calls to "
+      f"the {len(ctl.hosts)} sidecars, not a copy. save() returns once every sidecar took "
+      "the step over: from then on it survives this process. Several hosts need a Begin, "
+      "then a Stage on each; one host's first Stage begins the step, which "
+      "benchmarks.save_return measures: about 5 ms here. A large state blocks for its "
+      "copy into the arenas: docs/benchmarks.md.)")
   target = {"params": jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)}
   t = time.perf_counter()

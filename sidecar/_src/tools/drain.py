@@ -135,12 +135,21 @@ def settle(drained: Drained, say: Callable[[str], None],
   return sorted({*drained.abandoned, *lost})
 
 
-def after_stop(drained: Drained, code: int, say: Callable[[str], None]) -> None:
+def after_stop(drained: Drained, code: int, say: Callable[[str], None], *,
+               seen: Collection[str] = (), fails_again: bool = False) -> None:
   """Once the sidecars of a job that ended with ``code`` stopped: what became of the
   steps they were still writing (:func:`settle`), and, where it did not end well, the
-  step a re-run of the same command resumes from (:func:`resume_from`)."""
+  step a re-run of the same command resumes from (:func:`resume_from`, in the
+  directories they held then and those ``seen`` while the job ran: a sidecar that died
+  said nothing at the end). ``fails_again``: the job ended because a restart would fail
+  the same way; a re-run would too, until what failed is fixed."""
   settle(drained, say)
-  if code and (step := resume_from(drained.directories)) is not None:
+  if not code or (step := resume_from({*drained.directories, *seen})) is None:
+    return
+  if fails_again:
+    say(f"once what failed is fixed, re-run the same command to resume from step {step} "
+        "(as it is, it would fail the same way again)")
+  else:
     say(f"re-run the same command to resume from step {step}")
 
 

@@ -1,10 +1,13 @@
-"""``sidecar goodput CKPT_DIR``: a job's goodput, from the ledger its sidecar kept.
+"""``sidecar goodput CKPT_DIR [ADDR...]``: a job's goodput, from the ledger its sidecar kept.
 
 The sidecar of the recording trainer (process 0) appends the job's time events to
 ``CKPT_DIR/goodput.jsonl`` across restarts (docs/goodput.md); this reads that file and
 prints the table (category, seconds, share of wall time), ``--json`` one object for
 scripts, ``--plot FILE.png`` the job's timeline (matplotlib: the ``lm`` or ``bench``
-extra). Exit status 1 where there is no ledger in CKPT_DIR, or the plot cannot be
+extra). During a run, the time since the running life's last event is counted as what
+its sidecar says it is (a hang past its timeout as stall, a phase as that phase: the
+sidecars at ADDR, else the job's from the environment; ``goodput_live.py``), in one line
+to stderr. Exit status 1 where there is no ledger in CKPT_DIR, or the plot cannot be
 written (one line naming the path and why).
 """
 
@@ -17,7 +20,7 @@ import os
 import sys
 
 from sidecar._src.core import errors, extras, goodput as goodput_lib
-from sidecar._src.tools import cli_format
+from sidecar._src.tools import cli_format, cli_types
 
 # What each category looks like on the timeline.
 COLORS = {"productive": "#2ca02c", "startup": "#7f7f7f", "redone": "#d62728",
@@ -49,6 +52,8 @@ def _run(args: argparse.Namespace) -> int:
     print(f"sidecar goodput: cannot read the ledger in {args.directory}: {e}", file=sys.stderr)
     return 1
   ledger = goodput_lib.account(reading.events, skipped_lines=reading.skipped)
+  if ledger.lives and ledger.lives[-1].ended == "running":  # the job runs: ask its sidecars
+    ledger = _with_open_gap(args, reading, ledger)
   if args.plot:
     try:
       plot(ledger, args.plot)
@@ -59,6 +64,23 @@ def _run(args: argparse.Namespace) -> int:
           file=sys.stderr)  # stdout stays the table or the JSON
   print(json.dumps(ledger.to_dict(), sort_keys=True) if args.json else goodput_lib.table(ledger))
   return 0
+
+
+def _with_open_gap(args: argparse.Namespace, reading: goodput_lib.Reading,
+                   ledger: goodput_lib.Ledger) -> goodput_lib.Ledger:
+  """``ledger`` with its running life's open gap counted as its sidecars say
+  (``goodput_live.open_gap``); each thing said in a line to stderr."""
+  from sidecar._src.tools import cli_types, goodput_live
+  where = goodput_live.addresses(args.addresses)
+  trainers, missing = goodput_live.fetch_trainers(where, timeout=args.timeout,
+                                                  token=cli_types.token(args))
+  for line in missing:
+    print(f"sidecar goodput: {line}", file=sys.stderr)
+  gap = goodput_live.open_gap(reading.events, ledger.lives[-1], trainers)
+  print(f"sidecar goodput: {gap.said}", file=sys.stderr)
+  if not gap.events:
+    return ledger
+  return goodput_lib.account([*reading.events, *gap.events], skipped_lines=reading.skipped)
 
 
 def bars(ledger: goodput_lib.Ledger) -> list[Bar]:
@@ -79,6 +101,19 @@ def bars(ledger: goodput_lib.Ledger) -> list[Bar]:
       spans.append((life.end, ledger.lives[row + 1].start, "restart_gap"))
     out += [Bar(row, a - t0, b - t0, what) for a, b, what in spans if b > a]
   return out
+
+
+def title(ledger: goodput_lib.Ledger) -> str:
+  """The timeline's title: the goodput of the wall time, and where the axis runs longer
+  (a run that finished, then a later one: nothing ran between), by how much and why."""
+  plural = "" if ledger.restarts == 1 else "s"
+  text = f"goodput {100 * ledger.goodput:.1f}% of {ledger.wall_s:.1f} s, {ledger.restarts} " \
+         f"restart{plural}"
+  span = (ledger.lives[-1].end - ledger.lives[0].start) if ledger.lives else 0.0
+  if span - ledger.wall_s >= 0.05:
+    text += (f"; the axis runs {span:.1f} s: {span - ledger.wall_s:.1f} s between runs, "
+             "nothing running, are not counted")
+  return text
 
 
 def life_label(row: int, life: goodput_lib.Life) -> str:
@@ -129,8 +164,7 @@ def plot(ledger: goodput_lib.Ledger, path: str) -> None:
                 [life_label(row, life) for row, life in enumerate(ledger.lives)])
   ax.invert_yaxis()
   ax.set_xlabel("seconds since the job started")
-  ax.set_title(f"goodput {100 * ledger.goodput:.1f}% of {ledger.wall_s:.1f} s, "
-               f"{ledger.restarts} restart{'' if ledger.restarts == 1 else 's'}")
+  ax.set_title(title(ledger))
   try:
     fig.savefig(path, dpi=120, bbox_inches="tight")
   except (OSError, ValueError) as e:  # a missing directory, no permission; no such format
@@ -150,6 +184,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
       description=__doc__.split("\n\n")[1], formatter_class=cli_format.DefaultsFormatter)
   s.add_argument("directory", metavar="CKPT_DIR",
                  help="the job's checkpoint directory (its first checkpointer's)")
+  cli_types.add_sidecar_flags(s, timeout=5.0)  # ADDR...: a running job's sidecars
   s.add_argument("--json", action="store_true",
                  help='print {"wall_s", "productive_s", "goodput", "badput_s": {category: '
                       'seconds}, "restarts", "skipped_lines"} (default: a table)')

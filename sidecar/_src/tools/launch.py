@@ -315,6 +315,7 @@ def run(command: Sequence[str], *, hosts: int = 2, devices_per_host: int = 1,
     if follower is not None:
       follower.close()  # after the sidecars' last words
     if supervised:  # what the sidecars did with the steps, once stopped; how to resume
-      drain.after_stop(launch.drained, 1 if code is None else code, launch.say)
+      drain.after_stop(launch.drained, 1 if code is None else code, launch.say,
+                       seen=launch.watchdog.directories(), fails_again=launch.fails_again)
     for signum, old in previous.items():
       signal.signal(signum, old)

@@ -101,6 +101,7 @@ class Supervisor:
     self.threads: list[threading.Thread] = []
     self.hurried = False  # a second signal came while the sidecars finished their saves
     self.drained = drain.Drained()  # what the sidecars were writing when the job ended
+    self.fails_again = False  # it ended because a restart would fail the same way
 
   def say(self, text: str) -> None:
     self.print_line(f"sidecar launch: {text}")
@@ -275,6 +276,7 @@ class Supervisor:
     if loss.what == "trainer" and not loss.why and (
         recurs := self.watchdog.recurs(loss.process, self.restart, loss.code)):
       self.say(f"{loss}; {recurs}; stopping {whom}")
+      self.fails_again = True
       return False
     self.say(f"{loss}; restarting "
              + ("its sidecar and " if loss.what == "sidecar" else "")

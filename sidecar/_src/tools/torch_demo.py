@@ -35,10 +35,12 @@ def run(*, hosts: int = 2, steps: int = 60) -> int:
     return 1
   work = tempfile.mkdtemp(prefix="sidecar-torch-demo-")
   try:
-    for run_number, what in ((1, "train from scratch"), (2, "resume from their checkpoint")):
+    for run_number, what in ((1, "train from scratch"),
+                             (2, f"resume from their checkpoint, {steps} steps more")):
       print(f"--- run {run_number}: {hosts} ranks beside {hosts} sidecars {what}", flush=True)
-      code = launch.run([sys.executable, str(EXAMPLE), "--steps", str(steps), "--dir",
-                         str(pathlib.Path(work) / "ckpt")], hosts=hosts,
+      # --steps is the step to train until, counted across runs
+      code = launch.run([sys.executable, str(EXAMPLE), "--steps", str(run_number * steps),
+                         "--dir", str(pathlib.Path(work) / "ckpt")], hosts=hosts,
                         imports=[PIPELINES], shm_size="64MiB", torch=True)
       if code:
         return code

@@ -67,9 +67,9 @@ REPEATS = 2  # the same failure this often in a row (before a step, or at one) e
 # What `sidecar launch --help` says of this module's two rules.
 HELP = f"""\
 A trainer that fails the same way (exit status and last error line) {REPEATS} times in a
-row, after its Worker attached and before its first step, or at the same step (the step
-it resumed from plus the batches it took), is not restarted again: the job ends with
-that failure.
+row, after its Worker attached and before its first step, or at the same point (the step
+it resumed from plus the batches its feeds handed it), is not restarted again: the job
+ends with that failure.
 
 --stall-timeout SECONDS (default {stall.DEFAULT_FLOOR_S:g}; 0: off): a trainer is timed from
 its first completed step (its start, a restore, its first compile are never watched);
@@ -157,6 +157,7 @@ class Watchdog:
     self._taken: dict[tuple[int, int], int] = {}  # (rank, restart) -> batches it took
     self._resumed: dict[int, int | None] = {0: 0}  # restart -> the newest step held then
     self._newest = 0  # the newest step any sidecar held committed, as last read
+    self._directories: set[str] = set()  # the checkpoint directories the sidecars held
     self._refused: set[tuple[int, int, int, int]] = set()  # stalls not acted on, said once
     self._lines: dict[int, str] = {}  # rank -> its output's last error line
     self._last: dict[int, str] = {}  # rank -> its output's last line
@@ -198,6 +199,7 @@ class Watchdog:
       got = list(status.trainers)
       held = [int(s) for c in status.checkpoints for s in c.ram_steps]  # committed
       with self._lock:
+        self._directories.update(c.directory for c in status.checkpoints)
         self._newest = max([self._newest, *held])
         self._latest[host] = got
         self._stepped.update((t.rank, t.restart) for t in got if t.since_step_s >= 0)
@@ -205,6 +207,12 @@ class Watchdog:
         for t in got:
           key = (t.rank, t.restart)
           self._taken[key] = max(self._taken.get(key, 0), int(t.steps))
+
+  def directories(self) -> frozenset[str]:
+    """The checkpoint directories any sidecar held steps of, as read so far: where a job
+    whose sidecar died resumes from (``drain.after_stop``)."""
+    with self._lock:
+      return frozenset(self._directories)
 
   def life(self, restart: int) -> None:
     """Start ``restart`` begins: the step its trainers resume from is the newest step the
@@ -360,8 +368,9 @@ class Watchdog:
     if not failure.seen or len(last) < REPEATS or not all(f.same(failure) for f in last):
       return None
     where = "before its first step" if not failure.stepped else (
-        f"at the same step ({failure.position}: the step it resumed from plus the batches "
-        "it took)")
+        f"at the same point of its run ({failure.position}: the step it resumed from plus "
+        "the batches its feeds handed it, those sent ahead included, so not the step it "
+        "raised in: its traceback names that)")
     return (f"it failed the same way {REPEATS} times in a row {where} "
             f"({trainers.how(code)}" + (f"; its last error: {line}" if line else "")
             + "): a restart would fail again; not restarting it")
@@ -370,7 +379,8 @@ class Watchdog:
 def probe(addresses: Sequence[str], *, token: str | None, timeout: float, send_stacks: bool,
           say: Callable[[str], None]) -> int:
   """``sidecar stalls``: 1 where a trainer attached to one of the sidecars at ``addresses``
-  is stalled (a "stall" line for each; with ``send_stacks``, its stacks asked for where
+  is stalled (a "stall" line for each, and a "not stalled" line, with its state, for each
+  of the others; with ``send_stacks``, its stacks asked for where
   :func:`_unsignalled` finds no reason not to: the k8s trainer container's liveness probe
   runs beside it), else 0. A sidecar that does not answer is said, and is no stall: its own
   probes watch it."""
@@ -386,7 +396,16 @@ def probe(addresses: Sequence[str], *, token: str | None, timeout: float, send_s
           "no stall can be told")
       continue
     for t in got.trainers:
-      if not t.stalled or t.ended:
+      if t.ended:
+        continue
+      if not t.stalled:  # said all the same: a gap on its way to a stall shows here
+        say(f"host {got.identity.host_id} rank {t.rank} not stalled: "
+            f"{status_lib.trainer_state(t)}" + (
+                f", its last step {t.since_step_s:.1f} s ago" if t.since_step_s >= 0 else
+                " (its clock starts at its first completed step)")
+            + (f", in it {t.phase_s:.0f} s" if t.phase else "")
+            + (f" (its stall timeout {t.stall_timeout_s:.1f} s)" if t.stall_timeout_s > 0
+               else " (no stall timeout)"))
         continue
       found += 1
       say(f"host {got.identity.host_id} rank {t.rank} stalled: no step for "

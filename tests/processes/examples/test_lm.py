@@ -59,7 +59,7 @@ def _run(data, ckpt, metrics, *extra: str, restarts: int = 0) -> str:
 def _losses(metrics) -> dict[int, float]:
   """{step: loss}, the last line written for each step."""
   lines = [json.loads(line) for line in pathlib.Path(metrics).read_text().splitlines()]
-  assert all(set(line) == {"step", "loss", "time"} for line in lines)
+  assert all(set(line) - {"first"} == {"step", "loss", "time"} for line in lines)
   return {line["step"]: line["loss"] for line in lines}
 
 
@@ -267,36 +267,47 @@ def _refused(data, ckpt, metrics, *extra: str) -> str:
 
 
 def test_a_checkpoint_it_cannot_resume_from_names_the_flag_that_gets_past_it(
-    data, whole, tmp_path):
+    data, whole, expected, tmp_path):
   """Issue 71 item 3: a damaged latest step's error suggested restore(40, ...) or
-  fallback=True, and data that changed since the checkpoint suggested starting the feed
-  anew, neither of which train.py's command line could do. Now it ends with the error and
-  the flag to add (exit status 2), and the same command with that flag trains on."""
+  fallback=True, which train.py's command line could not do. Now it ends with the error
+  and the flag to add (exit status 2). Issue 79 item 1: the flag restored step 40 and
+  trained on, then save(50) failed ("step 50 is already saved"), the damaged step, while
+  the progress line called it durable. Now the flag sets step 50 aside (named), trains
+  past it and saves 50 and 60 anew; --restore-step does the same for the steps after the
+  one it names, here on another corpus (--start-feed-anew: the feed from its start)."""
   ckpt, metrics, other = tmp_path / "ckpt", tmp_path / "metrics.jsonl", tmp_path / "other"
   shutil.copytree(whole[1], ckpt)  # steps 30, 40 and 50 of a finished run
   _damage(ckpt / str(STEPS))
   subprocess.run([sys.executable, "examples/lm/prepare.py", "--out", str(other), "--max-mb",
                   "2"], cwd=ROOT, check=True, capture_output=True, timeout=60)  # another corpus
 
-  out = _refused(other, ckpt, metrics)
+  out = _refused(data, ckpt, metrics)
   # a shard that fails its crc32c, with no other copy: ShardsLostError, a CorruptCheckpointError
   assert re.search(rf"train.py: (CorruptCheckpoint|ShardsLost)Error: step {STEPS} of ", out), out
   assert (f"From this command line: run it again with --restore-step {STEPS - SAVE_EVERY} "
-          "(that step), or with --fallback (the newest step that restores whole)") in out, out
+          "(that step), or with --fallback (the newest step that restores whole); either "
+          "sets the steps after the one restored aside") in out, out
 
-  out = _refused(other, ckpt, metrics, "--fallback")  # step 40 restores; the data changed
+  out = _run(data, ckpt, metrics, "--steps", str(STEPS + SAVE_EVERY), "--fallback",
+             "--progress-every", "0.2")
   assert re.search(rf"restored step {STEPS - SAVE_EVERY} \(storage tier", out), out
-  assert "train.py: PipelineInvalidArgumentError: pipeline 'lm' on host 0 raised " \
-         "InvalidArgumentError: feed 'lm': the state it resumes from was made from" in out, out
-  assert ("From this command line: run it again on the --data the checkpoint was made from, "
-          "or with --start-feed-anew") in out, out
+  assert (f"set aside step {STEPS} as {ckpt / f'set-aside-{STEPS}'} (newer than step "
+          f"{STEPS - SAVE_EVERY}, which training goes on from)") in out, out
+  assert f"trained to step {STEPS + SAVE_EVERY}; checkpoints [40, 50, 60]" in out, out
+  for step, _, _, durable in PROGRESS.findall(out):  # never the damaged step
+    assert durable in ("40", "50", "60") and int(durable) <= int(step), out
+  assert (ckpt / f"set-aside-{STEPS}" / "_CHECKPOINT_METADATA").is_file()  # kept whole
+  losses = _losses(metrics)  # from step 40 on, an uninterrupted run's
+  assert {s: losses[s] for s in range(41, STEPS + 1)} == {
+      s: expected[s] for s in range(41, STEPS + 1)}
 
   # --restore-step names the step itself; the feed from the start of the other corpus
-  out = _run(other, ckpt, metrics, "--steps", str(STEPS + SAVE_EVERY), "--save-every", "100",
-             "--restore-step", str(STEPS - SAVE_EVERY), "--start-feed-anew")
-  assert re.search(rf"restored step {STEPS - SAVE_EVERY} \(storage tier, \d+\.\d\d s\); the "
+  out = _run(other, ckpt, metrics, "--steps", str(STEPS + 2 * SAVE_EVERY), "--save-every",
+             "100", "--restore-step", str(STEPS), "--start-feed-anew")
+  assert re.search(rf"restored step {STEPS} \(storage tier, \d+\.\d\d s\); the "
                    "feed from its start", out), out
-  assert f"trained to step {STEPS + SAVE_EVERY}; " in out, out
+  assert f"set aside step {STEPS + SAVE_EVERY} as " in out, out
+  assert f"trained to step {STEPS + 2 * SAVE_EVERY}; checkpoints [40, 50, 70]" in out, out
 
 
 def test_a_launch_stopped_by_sigterm_after_a_save_warns_of_nothing(data, tmp_path):
@@ -319,3 +330,28 @@ def test_a_launch_stopped_by_sigterm_after_a_save_warns_of_nothing(data, tmp_pat
   assert p.returncode == 128 + signal.SIGTERM, out
   assert "got SIGTERM; stopping every process" in out, out
   assert "WARNING" not in out and "not held by" not in out, out
+
+
+def test_ctrl_c_on_the_trainer_ends_it_with_one_line_naming_the_step_to_resume_from(
+    data, tmp_path):
+  """Issue 79 item 5: Ctrl-C on the README's trainer (run beside `sidecar local`) printed a
+  21-line KeyboardInterrupt traceback. SIGINT to the trainer alone, as a terminal's Ctrl-C
+  reaches it there (the sidecars run in the background)."""
+  metrics, ckpt = tmp_path / "metrics.jsonl", tmp_path / "ckpt"
+  p = _launch(data, ckpt, metrics, "--steps", "100000")
+  try:
+    trainer, header = _until_saved(p, ckpt, metrics)
+    os.kill(trainer, signal.SIGINT)
+    out = header + p.communicate(timeout=120)[0]
+  finally:
+    if p.poll() is None:
+      p.kill()
+      p.wait()
+  after = out.split(header, 1)[1]
+  trainer_lines = [line for line in after.splitlines() if line.startswith("[host 0] ")
+                   and not PROGRESS.search(line)]
+  assert len(trainer_lines) == 1, out
+  assert re.fullmatch(rf"\[host 0\] train.py: stopped \(Ctrl-C\); the latest committed step of "
+                      rf"{ckpt} is \d+: run the same command again to resume from it",
+                      trainer_lines[0]), out
+  assert "host 0's trainer exited with code 130" in out, out

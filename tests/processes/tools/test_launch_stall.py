@@ -146,11 +146,15 @@ def test_the_same_bug_at_the_same_step_ends_the_job_after_two_lives(tmp_path):
               str(tmp_path / "ckpt"), "raise", "0")
   out, err = p.stdout, p.stderr
   assert p.returncode == 1, out + err
-  assert re.search(r"it failed the same way 2 times in a row at the same step \(6: the step "
-                   r"it resumed from plus the batches it took\) \(exited with code 1; its last "
-                   r"error: RuntimeError: a bug in step 6\)", err), err
+  assert re.search(r"it failed the same way 2 times in a row at the same point of its run "
+                   r"\(6: the step it resumed from plus the batches its feeds handed it, those "
+                   r"sent ahead included, so not the step it raised in: its traceback names "
+                   r"that\) \(exited with code 1; its last error: RuntimeError: a bug in step "
+                   r"6\)", err), err
   assert len(re.findall(r"restart \d+:", err)) == 1, err  # two lives, not four
-  assert "re-run the same command to resume from step 4" in err, err
+  # Issue 79 item 5: "re-run the same command to resume" after "a restart would fail again"
+  assert ("once what failed is fixed, re-run the same command to resume from step 4 (as it "
+          "is, it would fail the same way again)") in err, err
 
 
 def test_a_missing_script_ends_the_job_at_once_naming_it(tmp_path):

@@ -132,3 +132,29 @@ def test_a_step_its_sidecar_commits_as_it_stops_is_said_committed_and_resumable(
   assert "abandoned" not in err, err
   assert "re-run the same command to resume from step 1" in err, err
   assert _committed(tmp_path / "ckpt") == ["1"]
+
+
+def test_a_job_whose_sidecar_was_killed_says_how_to_resume(tmp_path):
+  """Issue 79 item 5: the launch ended with its sidecar SIGKILLed after step 1 was committed
+  and said nothing of it (the steps a sidecar holds are asked as the job ends, and it was
+  dead): the directories the sidecars held while the job ran are looked in too."""
+  p = subprocess.Popen(
+      [sys.executable, "-m", "sidecar", "launch", "--hosts", "1", "--shm-size", "16MiB",
+       "--log-dir", str(tmp_path / "logs"), "--", sys.executable, "-m",
+       "tests.support.save_trainer", str(tmp_path / "ckpt")],
+      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  err = _read_until(p.stderr, "'s sidecar (pid")
+  sidecar_pid = int(err.split("'s sidecar (pid ")[1].split(")")[0])
+  out = p.stdout.readline()
+  assert "saved" in out, out + p.communicate(timeout=30)[1]
+  # Committed, and seen by the launcher's watchdog (it reads each sidecar once a second).
+  while not (tmp_path / "ckpt" / "1" / "_CHECKPOINT_METADATA").exists():
+    assert p.poll() is None, p.communicate()
+    time.sleep(0.05)
+  time.sleep(2.5)
+  os.kill(sidecar_pid, signal.SIGKILL)
+  _, rest = p.communicate(timeout=60)
+  err += rest
+  assert p.returncode == 128 + signal.SIGKILL, err
+  assert "host 0's sidecar was killed by SIGKILL" in err, err
+  assert "re-run the same command to resume from step 1" in err, err

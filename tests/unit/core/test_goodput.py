@@ -389,3 +389,24 @@ def test_a_stalled_death_counts_its_last_step_to_its_end_as_stall():
 def test_a_died_event_round_trips_its_stall():
   e = Event("died", "a", 95.0, seen=90.0, stalled=80.0)
   assert Event.from_dict(json.loads(e.line())) == e
+
+
+def test_a_running_life_its_sidecar_finds_stalled_counts_its_hang_as_stall_so_far():
+  """Issue 79 item 3: `sidecar goodput` during a hang counted it as productive (or not at
+  all). Its view of a running life (tools/goodput_live.py) ends with a mark now that says
+  since when it is stalled: the time from its last step is stall, nothing is redone."""
+  events = life("a", 0.0, first=10.0, saves=[(50.0, 50, 0.0)], end=60.0, ended=None)
+  assert goodput.account(events).badput_s["stall"] == 0.0
+  hang = Event("mark", "a", 100.0, Counters(0, 0.0, 0.0, 0.0), stalled=70.0)
+  ledger = goodput.account([*events, hang])
+  check_sum(ledger)
+  assert ledger.wall_s == 100.0 and ledger.lives[-1].ended == "running"
+  assert ledger.badput_s["stall"] == pytest.approx(30.0)  # its last step at 70 .. now
+  assert ledger.badput_s["redone"] == 0.0  # it runs: nothing is thrown away yet
+  assert ledger.productive_s == pytest.approx(60.0)  # 10 .. 70
+
+
+def test_a_trainer_never_says_it_is_stalled():
+  with pytest.raises(ValueError, match="stalled is the sidecar's to say"):
+    goodput.check_events([{"kind": "mark", "life": "a", "t": 1.0, "batches": 1,
+                           "stalled": 0.5}], limit=10)

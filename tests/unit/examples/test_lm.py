@@ -130,6 +130,44 @@ def test_plot_draws_each_run_as_its_own_segment_and_no_line_across_a_restart(tmp
   assert len(by_step.get_legend().get_texts()) == 1
 
 
+def test_each_refusal_the_command_line_can_fix_names_its_flag():
+  """train.py's run() ends with the error and these lines (exit status 2): a damaged step,
+  the flags that train past it; data changed since the checkpoint, --start-feed-anew (the
+  processes tier runs the first whole; the second is the feed's refusal, as it reads)."""
+  import sidecar
+  train = _load("train")
+  damaged = sidecar.CorruptCheckpointError(
+      "step 50 of /ckpt: ...\nStep 50 of /ckpt is not restored as saved: older committed "
+      "steps that check intact: [40, 30]; restore one (restore(40, ...)), or pass "
+      "fallback=True to restore the newest that reads whole")
+  assert train.flag_for(damaged) == (
+      "From this command line: run it again with --restore-step 40 (that step), or with "
+      "--fallback (the newest step that restores whole); either sets the steps after the "
+      "one restored aside (<ckpt>/set-aside-<step>) and trains on, saving their numbers "
+      "anew")
+  changed = sidecar.PipelineInvalidArgumentError(
+      "lm", "InvalidArgumentError", "feed 'lm': the state it resumes from was made from 'a', "
+      "but with kwargs ['data'] it now reads 'b': the data changed since the checkpoint "
+      "(re-prepared, or another path). ...", host_id=0)
+  assert "or with --start-feed-anew" in train.flag_for(changed)
+  assert train.flag_for(sidecar.InvalidArgumentError("something else")) is None
+
+
+def test_plot_breaks_the_line_where_a_restart_resumed_right_after_the_last_line(tmp_path):
+  """Issue 79 item 5: a run killed right after its step 4's line and resumed from step 4
+  goes on at 5: the steps go up across the restart, and a line was drawn over the gap.
+  train.py marks the first line of each start; plot.py breaks there."""
+  plot, trainers = _load("plot"), _load("trainers")
+  metrics = tmp_path / "run.jsonl"
+  with open(metrics, "a") as f:
+    for step, first in [(1, True), (2, False), (3, False), (4, False), (5, True),
+                        (6, False)]:
+      trainers.write_metric(f, step, jax.numpy.float32(10.0 - step), first)
+  lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+  assert [line.get("first", False) for line in lines] == [True, False, False, False, True, False]
+  assert [p.steps for p in plot.segments(str(metrics))] == [[1, 2, 3, 4], [5, 6]]
+
+
 def test_the_progress_line_says_step_loss_rate_and_the_last_durable_step():
   trainers = _load("trainers")
   now, durable, out = [100.0], [None], io.StringIO()

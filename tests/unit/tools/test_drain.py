@@ -123,3 +123,18 @@ def test_a_job_that_stopped_with_steps_saved_says_how_to_resume(tmp_path):
   assert said == []
   drain.after_stop(drain.Drained(), 1, said.append)  # it saved nothing
   assert said == []
+
+
+def test_a_job_whose_sidecar_died_or_whose_failure_recurs_says_how_to_resume(tmp_path):
+  """Issue 79 item 5: a killed sidecar said nothing at the end, so no re-run line came;
+  after "a restart would fail again" the line still said to re-run as it was."""
+  said = []
+  ckpt = tmp_path / "ckpt"
+  (ckpt / "100").mkdir(parents=True)
+  (ckpt / "100" / "_CHECKPOINT_METADATA").write_text("{}")
+  drain.after_stop(drain.Drained(), 1, said.append, seen={str(ckpt)})  # seen while it ran
+  assert said == ["re-run the same command to resume from step 100"]
+  said.clear()
+  drain.after_stop(drain.Drained(), 1, said.append, seen={str(ckpt)}, fails_again=True)
+  assert said == ["once what failed is fixed, re-run the same command to resume from step "
+                  "100 (as it is, it would fail the same way again)"]

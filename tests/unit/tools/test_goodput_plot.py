@@ -56,6 +56,22 @@ def test_the_timeline_draws_data_wait_checkpoint_and_restore_in_their_lives():
   assert all(b.category in goodput_cli.COLORS for b in bars)
 
 
+def test_the_title_says_the_time_between_runs_the_axis_shows_and_the_wall_leaves_out():
+  """Issue 79 item 5: the title said 102 s where the axis ran to ~122 s: a run that
+  finished, then the same job run on later; the wall time leaves the time between out."""
+  assert goodput_cli.title(goodput.account(EVENTS)) == "goodput " + (
+      f"{100 * goodput.account(EVENTS).goodput:.1f}% of 50.0 s, 1 restart")
+  later = [*EVENTS,
+           Event("start", "c", 70.1, Counters(), start=70.0, pid=3),
+           Event("first_step", "c", 72.0, Counters(2, 0.0, 0.0, 0.0)),
+           Event("finish", "c", 80.0, Counters(10, 0.0, 0.0, 0.0))]
+  ledger = goodput.account(later)
+  assert ledger.wall_s == pytest.approx(60.0)  # 0..50, then 70..80
+  assert goodput_cli.title(ledger).endswith(
+      "% of 60.0 s, 1 restart; the axis runs 80.0 s: 20.0 s between runs, nothing running, "
+      "are not counted")
+
+
 def test_the_command_says_where_it_drew_and_keeps_stdout_for_the_json(
     tmp_path, capsys, monkeypatch):
   pytest.importorskip("matplotlib")

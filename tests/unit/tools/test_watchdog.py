@@ -82,7 +82,9 @@ def test_the_same_failure_at_the_same_step_twice_ends_the_job():
   d = dog()
   assert at_step(d, 0, 0, 1, "RuntimeError: a bug", resumed=0, taken=30) is None
   why = at_step(d, 0, 1, 1, "RuntimeError: a bug", resumed=20, taken=10)
-  assert why.startswith("it failed the same way 2 times in a row at the same step (30: ")
+  assert why.startswith("it failed the same way 2 times in a row at the same point of its "
+                        "run (30: the step it resumed from plus the batches its feeds handed "
+                        "it, those sent ahead included, so not the step it raised in")
   assert "its last error: RuntimeError: a bug" in why
 
 

@@ -115,12 +115,12 @@ class Checkpointer:
     self._driver = driver(Setup(site=site, directory=self.directory, options=options,
                                 replicas=self.replicas, placement=self.placement,
                                 steps=self.all_steps))
-    self._saves = self._asked = self._restores = 0
+    self._saves = self._asked = self._restores = self._asides = 0
     self.restored_step: int | None = None  # the step the latest restore() returned
     self._in_flight: SaveHandle | None = None
-    # The saves begun whose failure is not told yet (those begun on hosts lost since,
-    # ``_follow``, told as warnings).
-    self._untold = SaveFailures(self.directory)
+    # The saves that failed and are not settled yet (save_failures.py: the rule).
+    self._failures = SaveFailures(self.directory, in_a_row=options.max_failed_saves,
+                                  latest=self.latest_step)
     self._claims = holds.StepClaims(self.directory)  # the steps it is saving now
     self._closed = False
     self._goodput = site.goodput  # told how long save() and restore() block
@@ -169,7 +169,7 @@ class Checkpointer:
         placement=placement, steps=self.all_steps))
     self._retention.rehost(site.local)
     if gone:
-      self._untold.lost(gone)
+      self._failures.lost(gone)
     log.info("the checkpointer of %s saves on hosts %s now (lost: %s, back: %s), with %d "
              "replicas", self.directory, list(site.hosts), gone, back, replicas)
     self.site, self._local = site, list(site.local)
@@ -187,17 +187,21 @@ class Checkpointer:
     hold None and saves nothing; every process takes the same decision.
 
     A save that failed in the background (its ``durable``: a full disk, an I/O error,
-    a host lost) is raised by the next ``save``, ``wait`` or ``close``, once, as Orbax's
-    async manager does: the step it was given then is not saved. One whose error its
-    handle told (``durable.result()`` raised it, ``durable.exception()`` returned it) is
-    not raised again.
+    a host lost) costs that save, not the run: it is logged at once, the next ``save``
+    goes on, and the first that commits after it says so. ``max_failed_saves`` failed
+    in a row (``CheckpointOptions``, default 3) end the run: the ``save`` after them
+    raises the first one's error and saves nothing. ``wait`` and ``close`` raise a
+    failure no later commit settled, once; one whose error its handle told
+    (``durable.result()`` raised it, ``durable.exception()`` returned it) is not raised
+    again (``save_failures.py``).
 
     Raises:
       InvalidArgumentError: ``step`` is committed already. A save never replaces a
         committed step, whatever the framework; a step not saved yet, lower than the
         latest, is saved.
-      CheckpointWriteError (and the others ``durable`` holds): an earlier save of this
-        checkpointer failed (its note names the step); this one was not begun.
+      CheckpointWriteError (and the others ``durable`` holds): the last
+        ``max_failed_saves`` saves of this checkpointer failed (its notes name their
+        steps); this one was not begun.
     """
     self._check_open()
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
@@ -235,7 +239,7 @@ class Checkpointer:
         t0 = time.perf_counter()
         interrupts.wait_done(previous.durable)
         waited = time.perf_counter() - t0
-        gone = self._untold.lost_with(previous)
+        gone = self._failures.lost_with(previous)
         if gone is not None:  # not the storage: a save the loss of hosts cut short
           log.info("save(%d) in %s waited %.2f s for the save of step %d, begun before hosts "
                    "%s were lost, to end", step, self.directory, waited, previous.step, gone,
@@ -248,8 +252,10 @@ class Checkpointer:
               "s'): save less often, or pass if_busy='skip'", step, self.directory, waited,
               previous.step, extra={"step": step})
     # Every process's earlier saves have ended here (busy is the processes' one decision):
-    # all raise an earlier failure alike.
-    self._raise_failures(f"save({step})", skipped=step)
+    # all settle them alike, and all end the run alike (save_failures.py: the rule).
+    self._failures.settle(hosts=self.site.hosts)
+    if (error := self._failures.too_many(f"save({step})", step=step)) is not None:
+      raise error
     if step in (steps := self.all_steps()):  # whatever the framework: never replaced
       raise errors.InvalidArgumentError(
           f"step {step} is already saved in {self.directory} (committed steps: {steps}); a "
@@ -275,7 +281,7 @@ class Checkpointer:
     self._saves += 1
     key = f"{self._key}/save/{self._saves}"
     handle = SaveHandle(target.step, concurrent.futures.Future(), Durable())
-    self._untold.begun(handle)
+    self._failures.begun(handle)
     if not self.replicas:  # the same for every framework: it holds the step at once
       handle.replicated.set_result(target.step)
     # The save's end (listed, durable, old steps deleted, replicated) runs on the save's
@@ -284,7 +290,7 @@ class Checkpointer:
       self._driver.start(target, tree, data_state_json=data_json,
                             ending=Ending(handle, self._peers, key, self._retention))
     except BaseException:  # raised here: told, not to be raised again
-      self._untold.not_begun(handle)
+      self._failures.not_begun(handle)
       raise
     return handle
 
@@ -425,6 +431,38 @@ class Checkpointer:
     steps = self.all_steps()
     return steps[-1] if steps else None
 
+  @interrupts.deferring  # Ctrl-C: after the move, which is one rename
+  def set_aside(self, step: int) -> str:
+    """Moves committed ``step`` out of this directory's steps, kept on storage whole as
+    ``<directory>/set-aside-<step>`` (``-2``, ``-3``, ... where that is taken), which no
+    listing, restore or retention takes for a step; its RAM-tier copies are dropped.
+    Returns that path (in every process).
+
+    For training that goes on from an older step than the latest: a save never replaces
+    a committed step, so the steps after the one restored are set aside first, a
+    damaged one above all (``restore(fallback=True)`` skipped it: ``restored_step`` is
+    older than ``latest_step()``), and their numbers are then saved anew::
+
+      state = ckpt.restore(target=abstract_state, fallback=True)
+      for step in [s for s in ckpt.all_steps() if s > ckpt.restored_step]:
+        print(f"step {step} set aside as {ckpt.set_aside(step)}")
+
+    Nothing is deleted: remove the directory once you are done with it. Waits for a save
+    in flight first. Every process makes the same calls.
+
+    Raises:
+      InvalidArgumentError: ``step`` is not a committed step.
+    """
+    self._check_open()
+    self._follow()
+    self._join()  # a save in flight lists its step (and may delete old ones) first
+    self._asides += 1
+    moved = self._retention.set_aside(step)
+    if self._peers.count > 1:  # process 0 moved it; all say where
+      moved = self._peers.broadcast(f"{self._key}/aside/{self._asides}",
+                                    moved if self._lead else None)
+    return moved
+
   def save_in_flight(self) -> SaveHandle | None:
     """The handle of this checkpointer's latest save while it is not durable yet; None
     once it is (or failed), or before the first save."""
@@ -436,7 +474,8 @@ class Checkpointer:
     """Waits until the save in flight (if any) is durable, and the older steps it
     makes ``max_to_keep`` drop are deleted (and, with replicas, until its replication
     has ended, done or failed: ``handle.replicated`` says which); raises the error of
-    a save that failed, unless ``save`` or ``close`` raised it or its handle told it.
+    a save that failed, unless a later save committed, ``save`` or ``close`` raised it
+    or its handle told it.
 
     With ``progress`` (``print``, say), a wait longer than a second reports the bytes
     the sidecars have made durable, and the rate, once a second; by default (None) on
@@ -456,19 +495,19 @@ class Checkpointer:
     self._join()  # and the older steps max_to_keep drops are gone
     self._raise_failures("wait()")
 
-  def _raise_failures(self, where: str, *, skipped: int | None = None) -> None:
-    """Raises the first save of this checkpointer that failed and that no save(),
-    wait() or close() raised yet (later ones named in its notes); each is raised once.
-    ``where``: the call that raises it; ``skipped``: the step it was asked to save."""
-    error = self._failure(where, skipped=skipped)
+  def _raise_failures(self, where: str) -> None:
+    """Raises the first failed save of this checkpointer that no later commit settled
+    and that no save(), wait() or close() raised yet (later ones named in its notes);
+    each is raised once. ``where``: the call that raises it."""
+    error = self._failure(where)
     if error is not None:
       raise error
 
-  def _failure(self, where: str, *, skipped: int | None = None) -> BaseException | None:
+  def _failure(self, where: str) -> BaseException | None:
     """The error :meth:`_raise_failures` raises (None: none), told to nobody again. The
     failures of saves begun before a loss are logged instead (:meth:`_follow`)."""
-    return self._untold.take(where, skipped=skipped, latest=self.latest_step,
-                               hosts=self.site.hosts)
+    self._failures.settle(hosts=self.site.hosts)
+    return self._failures.unsettled(where)
 
   def _join(self) -> None:
     """Waits until every save this process began has ended (its ``end`` ran: durable or
@@ -513,7 +552,8 @@ class Checkpointer:
   def close(self) -> None:
     """Waits for the save in flight (and what older saves still settle: replication,
     deleting old steps), then closes; idempotent. Raises the error of a save that
-    failed, unless ``save`` or ``wait`` raised it already (closed all the same)."""
+    failed, unless a later save committed or ``save`` or ``wait`` raised it already
+    (closed all the same)."""
     if self._closed:
       return
     self._close()

@@ -281,8 +281,10 @@ class CheckpointTransport(abc.ABC):
     came): nothing of it was removed then."""
 
   @abc.abstractmethod
-  def delete(self, host: int, directory: str, step: int) -> concurrent.futures.Future:
-    """Future of None once the committed step is gone."""
+  def delete(self, host: int, directory: str, step: int, *, set_aside: bool = False
+             ) -> concurrent.futures.Future:
+    """Future of None once the committed step is gone; with ``set_aside``, of where it
+    was moved out of the directory's steps ("": it was gone already)."""
 
   @abc.abstractmethod
   def forget(self, host: int, directory: str, step: int) -> concurrent.futures.Future:
@@ -429,9 +431,10 @@ class CheckpointClient(CheckpointTransport):
     return self._rpc(host, "Abort", ckpt_pb.CheckpointAbortRequest(
         tmp_dir=tmp_dir, final_dir=final_dir), lambda r: r.committed, timeout=timeout)
 
-  def delete(self, host, directory, step):
+  def delete(self, host, directory, step, *, set_aside=False):
     return self._rpc(host, "Delete", ckpt_pb.CheckpointDeleteRequest(
-        directory=directory, step=step), lambda r: None)
+        directory=directory, step=step, set_aside=set_aside),
+        lambda r: r.set_aside_as if set_aside else None)
 
   def forget(self, host, directory, step):
     return self._rpc(host, "Forget", ckpt_pb.CheckpointForgetRequest(

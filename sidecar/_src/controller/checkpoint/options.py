@@ -42,6 +42,11 @@ class CheckpointOptions:
       a size such as ``"500MiB"``, kept as bytes); None: unpaced.
     if_busy: what a save does while the previous is not durable yet: ``"wait"`` for it,
       or ``"skip"`` this save (its handle's futures hold None); every process alike.
+    max_failed_saves: how many saves that fail in the background in a row end the run:
+      a failed save (a full disk, an I/O error) is logged at once and costs only itself,
+      the next save goes on, and the save after this many failures in a row raises the
+      first one's error (docs/concepts.md). 1: the first failure is raised by the next
+      save, as Orbax's async manager does.
     format: the layout the sidecars write, a registered format's name
       (``ckptfmt/registry.py``: ``"orbax"``, ``"dcp"``); None: the framework's own
       (``"orbax"`` for JAX and numpy trees, ``"dcp"`` for PyTorch). A restore names none:
@@ -54,6 +59,7 @@ class CheckpointOptions:
   ram_budget: int | None = None
   replica_bandwidth: int | str | None = None
   if_busy: str = "wait"
+  max_failed_saves: int = 3
   format: str | None = None
 
   def __post_init__(self) -> None:
@@ -88,6 +94,10 @@ class CheckpointOptions:
     if self.if_busy not in IF_BUSY:
       raise errors.InvalidArgumentError(
           f"if_busy must be 'wait' or 'skip', got {self.if_busy!r}")
+    if not _is_int(self.max_failed_saves) or self.max_failed_saves < 1:
+      raise errors.InvalidArgumentError(
+          f"max_failed_saves must be an int >= 1 (failed saves in a row that end the run; "
+          f"1: the next save raises the first failure), got {self.max_failed_saves!r}")
     if self.format is not None and self.format not in formats_lib.DEFAULT.formats:
       raise errors.InvalidArgumentError(
           f"format must be None (the framework's own) or one of the registered formats "

@@ -1,5 +1,6 @@
 """Retention for :class:`~sidecar._src.controller.checkpoint.checkpointer.Checkpointer`: the
-committed steps, and the deletion of those ``max_to_keep`` and ``keep_period`` no longer keep."""
+committed steps, the deletion of those ``max_to_keep`` and ``keep_period`` no longer keep,
+and a step set aside (``Checkpointer.set_aside``)."""
 
 from __future__ import annotations
 
@@ -79,3 +80,33 @@ class Retention:
         with self._lock:
           self._steps = sorted(set(self._steps) | {s})
         return
+
+  def set_aside(self, step: int) -> str:
+    """Unlists committed ``step``, drops it from the RAM tiers of this process's hosts, and
+    (process 0) has its sidecar move it out of the directory's steps; where it went
+    (process 0's; "" in the others).
+
+    Raises:
+      InvalidArgumentError: ``step`` is not a committed step.
+      SidecarError: the sidecar could not move it (listed again).
+    """
+    with self._lock:
+      if step not in self._steps:
+        raise errors.InvalidArgumentError(
+            f"step {step} is not a committed step of {self.directory} (committed steps: "
+            f"{self._steps or 'none'}); set_aside moves a committed step only")
+      self._steps = [t for t in self._steps if t != step]
+      local = list(self._local)
+    try:  # its RAM-tier copies too, own and replicas: a save of its number comes next
+      for f in [self._client.forget(h, self.directory, step) for h in local]:
+        f.result()
+    except errors.SidecarError:
+      pass  # a lost host's RAM tier is gone anyway
+    if not self._lead:
+      return ""
+    try:
+      return self._client.delete(local[0], self.directory, step, set_aside=True).result()
+    except BaseException:
+      with self._lock:
+        self._steps = sorted(set(self._steps) | {step})
+      raise

@@ -40,15 +40,14 @@ from sidecar._src.server.checkpoint import (
   begins as begins_lib,
   faults,
   ram_tier,
+  removal,
   roots as roots_lib,
   step as step_lib,
   write as write_lib,
 )
 
 log = logging.getLogger(__name__)
-# A directory being removed (a step deleted, an uncommitted one aborted or swept):
-# ``.<name>.sidecar-deleting-<id>``, swept by the next open where a removal was cut short.
-DELETING = ".sidecar-deleting-"
+DELETING = removal.DELETING  # a directory being removed (removal.remove_dir)
 
 
 class StepWriter:
@@ -118,7 +117,7 @@ class StepWriter:
       in_flight = bool(self._tier.in_flight(directory))
       in_flight = in_flight or self._begins.in_flight_at(pathlib.Path(os.path.realpath(tmp)))
       if not in_flight:  # a step whose save crashed before its commit
-        _remove_dir(tmp)
+        removal.remove_dir(tmp)
         log.warning("removed %s, left by a save that never committed", tmp)
     self._tier.configure(directory, ram_steps, ram_budget)
     # Only numbered directories that hold a checkpoint's marker are steps: an empty
@@ -504,15 +503,16 @@ class StepWriter:
     if own is not None:  # its writer stops before its directory goes
       own.wait_written(60)
     self._begins.ended(pathlib.Path(path))
-    _remove_dir(pathlib.Path(path))
+    removal.remove_dir(pathlib.Path(path))
     return ""
 
-  def delete(self, directory: str, step: int) -> None:
-    """Removes a committed step (max_to_keep); the sidecar does the I/O.
+  def delete(self, directory: str, step: int, *, set_aside: bool = False) -> str:
+    """Removes a committed step (max_to_keep), or with ``set_aside`` renames it out of
+    the directory's steps (``removal.py``; returns where it went); the sidecar does the I/O.
 
     Only a step directory a checkpoint wrote goes (one a registered format says is a
     committed checkpoint of its own); anything else is refused. A step another process
-    removes meanwhile (another host's retention) is gone, as asked: no error.
+    removes meanwhile (another host's retention) is gone, as asked: no error ("").
     """
     self._path(directory, "directory")
     step = roots_lib.as_int(step, "step")
@@ -520,15 +520,18 @@ class StepWriter:
       raise errors.InvalidArgumentError(f"step must be a non-negative int, got {step}")
     target = pathlib.Path(self._path(str(pathlib.Path(directory) / str(step)), "step directory"))
     if not target.is_dir():
-      return  # gone already
+      return ""  # gone already
     if not formats_lib.is_checkpoint(target, self._formats):
       if not target.exists():
-        return  # removed since is_dir (another host's retention): gone, as asked
+        return ""  # removed since is_dir (another host's retention): gone, as asked
       raise errors.InvalidArgumentError(
           f"delete: {target} is not a checkpoint step directory (no {records.MANIFEST_FILE} nor "
           f"other mark of a format of {self._formats.names} in it or its items); delete "
           "removes only steps a checkpoint wrote")
-    _remove_dir(target)  # (another host's delete may rename it away first: gone, as asked)
+    if set_aside:
+      return removal.set_aside(target)
+    removal.remove_dir(target)  # (another host's delete may rename it away first: gone, as asked)
+    return ""
 
 
 def _same_save(own: step_lib.Step, tmp_dir: str, owner: str) -> bool:
@@ -555,23 +558,6 @@ def _check_extra(extra: Any, expected: type | None, what: str) -> None:
   raise errors.InvalidArgumentError(
       f"{what} {expected.__name__ if expected else 'no format extra'}, got "
       f"{type(extra).__name__ if extra is not None else 'none'}")
-
-
-def _remove_dir(path: pathlib.Path) -> None:
-  """Removes the directory ``path`` in one step for whoever looks at it meanwhile:
-  renamed away first (:data:`DELETING`), then its files. Nobody finds it half removed
-  (a step with no marker, a DCP save's uncommitted directory with no mark of a save,
-  which another host's abort would refuse), and a removal cut short leaves nothing under
-  its name. Gone already, or taken by another process's removal meanwhile, is no error;
-  what is no directory (a file, a symlink) is left as it is."""
-  try:
-    if not stat.S_ISDIR(os.lstat(path).st_mode):
-      return
-    gone = path.with_name(f".{path.name}{DELETING}{uuid.uuid4().hex[:8]}")
-    os.rename(path, gone)
-  except (FileNotFoundError, NotADirectoryError):
-    return
-  shutil.rmtree(gone, ignore_errors=True)
 
 
 def _file_in_the_way(path: pathlib.Path) -> pathlib.Path | None:

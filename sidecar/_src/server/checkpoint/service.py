@@ -401,8 +401,8 @@ class CheckpointService:
 
   def delete(self, r: ckpt_pb.CheckpointDeleteRequest, _: grpc.ServicerContext
              ) -> ckpt_pb.CheckpointDeleteResponse:
-    self._checkpoints.writer.delete(r.directory, _step(r.step))
-    return ckpt_pb.CheckpointDeleteResponse()
+    moved = self._checkpoints.writer.delete(r.directory, _step(r.step), set_aside=r.set_aside)
+    return ckpt_pb.CheckpointDeleteResponse(set_aside_as=moved)
 
   def forget(self, r: ckpt_pb.CheckpointForgetRequest, _: grpc.ServicerContext
              ) -> ckpt_pb.CheckpointForgetResponse:

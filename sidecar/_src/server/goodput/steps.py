@@ -55,6 +55,8 @@ class Trainer:
   stalled: bool
   ended: bool  # its session ended (listed a while after, see the module docstring)
   phase: str | None = None  # the long phase it announced, while it lasts
+  phase_s: float = 0.0  # seconds since that phase began (0: none)
+  last_step_unix: float | None = None  # when its last step was (None: its clock waits)
 
 
 @dataclasses.dataclass
@@ -74,6 +76,7 @@ class _Track:
   slowest: float = 0.0
   ended: float | None = None  # monotonic
   phase: stall.Phase | None = None  # the long phase it is in
+  phase_since: float | None = None  # monotonic, when that phase began
 
   def limit(self, floor_s: float) -> float:
     """Its stall timeout now: the rule's, or its phase's budget where larger."""
@@ -183,6 +186,7 @@ class Steps:
       if phase.ends and (track.phase is None or track.phase.name != phase.name):
         return  # not the phase it is in: nothing ends
       track.phase = None if phase.ends else phase
+      track.phase_since = None if phase.ends else now
       if track.last is not None:
         track.touch(now, wall)
       else:
@@ -221,4 +225,6 @@ def _listed(t: _Track, now: float, floor_s: float) -> Trainer:
                  since_step_s=since, slowest_s=t.slowest, timeout_s=limit,
                  stalled=bool(limit) and since is not None and since > limit,
                  ended=t.ended is not None,
-                 phase=None if t.phase is None else t.phase.name)
+                 phase=None if t.phase is None else t.phase.name,
+                 phase_s=0.0 if t.phase_since is None else (t.ended or now) - t.phase_since,
+                 last_step_unix=t.last_wall)

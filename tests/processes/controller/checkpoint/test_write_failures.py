@@ -1,7 +1,8 @@
-"""A save the sidecar cannot write fails loudly (issue 62 item 2): a full disk (a real small
-tmpfs), an I/O error (fault injection) and a directory made read-only mid-run are raised by
-the trainer's next ``save()``, its ``wait()`` or its ``close()``, once, naming the host, the
-step and the cause; the steps committed before stay listed and whole."""
+"""A save the sidecar cannot write fails loudly (issue 62 item 2) and costs only itself
+(issue 79 item 2): a full disk (a real small tmpfs), an I/O error (fault injection) and a
+directory made read-only mid-run are said at once and raised by the trainer's ``wait()`` or
+``close()`` (or, three in a row, its next ``save()``), once, naming the host, the step and
+the cause; the steps committed before stay listed and whole."""
 
 import contextlib
 import errno
@@ -16,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import sidecar
 from sidecar._src.core import errors
+from tests.conftest import eventually
 from tests.support.paths import entries
 
 pytestmark = pytest.mark.processes
@@ -63,34 +65,56 @@ def notes(e: BaseException) -> str:
   return "\n".join(getattr(e, "__notes__", ()))
 
 
-def test_a_full_disk_is_raised_by_the_next_save_and_then_by_close(tmp_path):
-  """Saves of 1.2 MiB into a 5 MiB tmpfs: the first that does not fit is raised by the
-  save after it (which saves nothing); another that does not fit, by close()."""
+def test_a_full_disk_that_comes_back_costs_its_saves_and_one_that_stays_full_ends_the_run(
+    tmp_path, caplog):
+  """Issue 79 item 2: on a full disk, step N's write failed, the user freed space, and
+  save(N + 1) still raised step N's failure and saved nothing. Saves of 1.2 MiB into a
+  5 MiB tmpfs with 3 MiB of it taken: the second does not fit and is said at once; the
+  space is freed, and the next save commits, saying so. Then the disk fills up for good:
+  the save after three failures in a row raises the first one's ENOSPC, and close()
+  raises a later failure no commit settled."""
   fs = tmp_path / "fs"
   fs.mkdir()
   with mounted(fs, "-t", "tmpfs", "-o", "size=5m", "tmpfs"):
+    (fs / "ballast").write_bytes(b"\0" * (3 << 20))
     with sidecar.testing.LocalCluster(num_hosts=1, devices_per_host=1, shm_size="32MiB",
                                       checkpoint_roots=[str(fs)]) as c, c.controller() as ctl:
       ckpt = ctl.checkpointer(fs / "ck", max_to_keep=None)
-      saved = []
+      save = lambda step: ckpt.save(step, {"w": np.full(300_000, step, np.float32)})  # noqa: E731
+      save(1).durable.result(60)
+      full = save(2)
       with pytest.raises(errors.CheckpointWriteError) as raised:
-        for step in range(1, 10):
-          ckpt.save(step, {"w": np.full(300_000, step, np.float32)})
-          saved.append(step)
-      full = saved[-1]  # if_busy="wait": save(full + 1) waited for it, and raised it
-      e = raised.value
-      assert (e.errno, e.host_id) == (errno.ENOSPC, 0)
-      assert f"host 0 could not write step {full}: No space left on device" in str(e)
-      assert (f"raised by save({full + 1}), which saved nothing (step {full + 1} not saved)"
-              f". The latest committed step is {full - 1}") in notes(e)
-      assert ckpt.all_steps() == saved[:-1] and len(saved) >= 2
-      ckpt.save(full + 1, {"w": np.zeros(300_000, np.float32)})  # still no room
-      with pytest.raises(errors.CheckpointWriteError, match=f"write step {full + 1}") as again:
+        full.durable.result(60)
+      assert (raised.value.errno, raised.value.host_id) == (errno.ENOSPC, 0)
+      said = lambda: "\n".join(r.getMessage() for r in caplog.records)  # noqa: E731
+      assert eventually(lambda: "the save of step 2 into" in said()), said()
+      assert "failed in the background: CheckpointWriteError: host 0 could not write step " \
+             "2: No space left on device" in said() and "Training goes on" in said()
+      (fs / "ballast").unlink()  # the user frees the space
+      assert save(3).durable.result(60) == 3  # the run goes on: nothing raised
+      ckpt.wait()
+      assert ("step 3 is committed in " + str(fs / "ck") + " and the run goes on from it, "
+              "after the failed save of step 2 (CheckpointWriteError ENOSPC). The latest "
+              "committed step is 3") in said(), said()
+      saved, step = [1, 3], 4
+      with pytest.raises(errors.CheckpointWriteError) as raised:  # now it fills for good
+        while step < 20:
+          handle = save(step)
+          if handle.durable.exception(60) is None:
+            saved.append(step)
+          step += 1
+      e, first = raised.value, saved[-1] + 1
+      assert e.errno == errno.ENOSPC and f"could not write step {first}:" in str(e)
+      assert (f"3 saves in a row failed (max_failed_saves=3): the run ends here; save({step}) "
+              f"saved nothing (step {step} not saved)") in notes(e), notes(e)
+      assert step == first + 3 and ckpt.all_steps() == saved
+      save(step)  # still no room
+      with pytest.raises(errors.CheckpointWriteError, match=f"write step {step}") as again:
         ckpt.close()
       assert again.value.errno == errno.ENOSPC and "raised by close()" in notes(again.value)
       restored = ctl.checkpointer(fs / "ck").restore(target={"w": np.zeros(300_000, np.float32)})
-      np.testing.assert_array_equal(restored["w"], np.full(300_000, full - 1, np.float32))
-    assert entries(fs / "ck") == [str(s) for s in sorted(saved[:-1], key=str)]
+      np.testing.assert_array_equal(restored["w"], np.full(300_000, saved[-1], np.float32))
+    assert entries(fs / "ck") == [str(s) for s in sorted(saved, key=str)]
 
 
 def test_an_io_error_on_one_host_is_raised_by_close_naming_that_host(tmp_path):

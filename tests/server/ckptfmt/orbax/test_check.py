@@ -213,3 +213,30 @@ def test_stock_orbax_still_restores_a_step_the_sidecar_wrote(steps):
   with ocp.CheckpointManager(directory) as mngr:
     back = mngr.restore(2, args=ocp.args.StandardRestore(target()))
   np.testing.assert_array_equal(back["w"], saved(2)["w"])
+
+
+def test_a_damaged_step_set_aside_after_fallback_is_saved_anew_and_kept_whole(steps):
+  """Issue 79 item 1: restored past a damaged latest step (fallback=True), training went
+  on and save(2) was refused ("step 2 is already saved"). set_aside(2) moves it out of
+  the steps, kept as set-aside-2; its number is saved anew, restored, and stock Orbax
+  lists the directory's steps as the checkpointer does."""
+  ctl, ckpt, directory = steps
+  _flip(directory / "2" / "default" / "w" / "0")  # a chunk fails its crc32c
+  ckpt.drop_ram_tier()  # from storage
+  ckpt.restore(target=target(), fallback=True)
+  assert ckpt.restored_step == 1 and ckpt.latest_step() == 2  # the user decides
+  with pytest.raises(sidecar.InvalidArgumentError, match="step 2 is already saved"):
+    ckpt.save(2, saved(2))
+  moved = ckpt.set_aside(2)
+  assert moved == str(directory / "set-aside-2") and ckpt.all_steps() == [1]
+  assert (directory / "set-aside-2" / "default").is_dir()  # kept whole, for the user
+  ckpt.save(2, saved(3)).durable.result(60)
+  assert ckpt.all_steps() == [1, 2]
+  with pytest.raises(sidecar.InvalidArgumentError, match="step 5 is not a committed step"):
+    ckpt.set_aside(5)
+  with ctl.checkpointer(directory) as again:  # a new job lists the new step 2, not the old
+    assert again.all_steps() == [1, 2]
+    again.drop_ram_tier()
+    np.testing.assert_array_equal(again.restore(2, target())["w"], saved(3)["w"])
+  with ocp.CheckpointManager(directory) as mngr:
+    assert list(mngr.all_steps()) == [1, 2]

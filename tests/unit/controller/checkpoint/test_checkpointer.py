@@ -238,22 +238,23 @@ def test_a_restore_without_a_target_says_how_to_build_one():
 
 
 class FailsStep(FakeSidecars):
-  """The write of step ``step`` fails with a full disk on host 0."""
+  """The writes of steps ``steps`` fail with a full disk on host 0."""
 
-  def __init__(self, step: int, **kw):
+  def __init__(self, *steps: int, **kw):
     super().__init__(**kw)
-    self.step = step
+    self.failing = set(steps)
 
-  def _full(self, host):
+  def _full(self, host, step):
     failed: concurrent.futures.Future = concurrent.futures.Future()
     failed.set_exception(errors.CheckpointWriteError(
-        f"host {host} could not write step {self.step}: No space left on device (ENOSPC)",
+        f"host {host} could not write step {step}: No space left on device (ENOSPC)",
         host_id=host))
     return failed
 
   def written(self, host, final_dir):
-    if f"/{self.step}/" in final_dir + "/" and host == 0:
-      return self._full(host)
+    step = next((s for s in self.failing if f"/{s}/" in final_dir + "/"), None)
+    if step is not None and host == 0:
+      return self._full(host, step)
     return super().written(host, final_dir)
 
 
@@ -262,30 +263,73 @@ def _save(ckpt, step):
 
 
 @pytest.mark.parametrize("hosts", [(0,), (0, 1)], ids=["one-host", "two-hosts"])
-def test_a_failed_save_is_raised_by_the_next_save_once(hosts):
-  """As Orbax's async manager: the failure of a save in the background is raised by the
-  next save() (which saves nothing), naming its step and host; once only."""
+def test_a_failed_save_costs_that_save_and_the_next_commit_continues_the_run(hosts, caplog):
+  """Issue 79 item 2: a save that failed in the background was raised by the next save()
+  (which saved nothing), ending the run though the disk had room again. Now it is said at
+  once, the next save goes on, and its commit says which step failed and which is the
+  latest; nothing raises it later."""
   ckpt = checkpointer(FailsStep(2, hosts=hosts))
   _save(ckpt, 1).durable.result(30)
   failed = _save(ckpt, 2)
   concurrent.futures.wait([failed.durable], 30)
+  said = lambda: [r.getMessage() for r in caplog.records]  # noqa: E731
+  assert eventually(lambda: any(  # its durable's callback, on the save's thread
+      "the save of step 2 into /ckpt/run failed in the background: CheckpointWriteError: "
+      "host 0 could not write step 2: No space left on device" in m
+      and "Training goes on" in m and "the latest committed step is 1" in m
+      and "3 failed saves in a row end it" in m for m in said())), said()
+  assert _save(ckpt, 3).durable.result(30) == 3
+  ckpt.wait()
+  assert any("step 3 is committed in /ckpt/run and the run goes on from it, after the "
+             "failed save of step 2 (CheckpointWriteError). The latest committed step is 3"
+             in m for m in said()), said()
+  ckpt.close()  # settled: nothing raised
+  assert ckpt.all_steps() == [1, 3]
+
+
+def test_saves_that_keep_failing_end_the_run_at_max_failed_saves_in_a_row():
+  """A disk that stays full: the save after max_failed_saves failures in a row raises the
+  first one's error (the others in its notes) and saves nothing; a commit between
+  failures starts the count anew."""
+  ckpt = checkpointer(FailsStep(2, 4, 5, hosts=(0,)), max_failed_saves=2)
+  for step in (1, 2, 3, 4, 5):  # 2 fails, 3 commits, 4 and 5 fail: two in a row
+    concurrent.futures.wait([_save(ckpt, step).durable], 30)
+  with pytest.raises(errors.CheckpointWriteError, match="could not write step 4") as raised:
+    _save(ckpt, 6)
+  notes = "\n".join(raised.value.__notes__)
+  assert "the save of step 4 into /ckpt/run failed in the background (host 0); raised by " \
+         "save(6). The latest committed step is 3" in notes, notes
+  assert "the save of step 5 failed too: CheckpointWriteError" in notes, notes
+  assert "2 saves in a row failed (max_failed_saves=2): the run ends here; save(6) saved " \
+         "nothing (step 6 not saved)" in notes, notes
+  assert ckpt.all_steps() == [1, 3]
+  ckpt.close()  # raised once: nothing more
+
+
+def test_max_failed_saves_1_raises_a_failure_at_the_next_save_as_orbax_does():
+  ckpt = checkpointer(FailsStep(2, hosts=(0,)), max_failed_saves=1)
+  _save(ckpt, 1).durable.result(30)
+  concurrent.futures.wait([_save(ckpt, 2).durable], 30)
   with pytest.raises(errors.CheckpointWriteError, match="could not write step 2") as raised:
     _save(ckpt, 3)
-  notes = "\n".join(raised.value.__notes__)
-  assert "the save of step 2 into /ckpt/run failed in the background (host 0)" in notes
-  assert "raised by save(3), which saved nothing (step 3 not saved)" in notes
-  assert "The latest committed step is 1" in notes
-  assert ckpt.all_steps() == [1]
+  assert "raised by save(3). The latest committed step is 1" in "\n".join(
+      raised.value.__notes__)
   assert _save(ckpt, 3).durable.result(30) == 3  # raised once: the next save goes on
   ckpt.close()
   assert ckpt.all_steps() == [1, 3]
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_max_failed_saves_is_an_int_of_at_least_one(bad):
+  with pytest.raises(errors.InvalidArgumentError, match=r"max_failed_saves must be an int >= 1"):
+    CheckpointOptions(max_failed_saves=bad)
 
 
 @pytest.mark.parametrize("read", ["result", "exception"])
 def test_a_failed_save_whose_error_its_caller_read_is_not_raised_again(read):
   """The caller who read a save's error from its handle (``durable.result()`` raised it,
   or ``durable.exception()`` returned it) was told: the next save saves; one who waited
-  without reading it (``concurrent.futures.wait``) is told by the next save."""
+  without reading it (``concurrent.futures.wait``) is told by the next wait() or close()."""
   ckpt = checkpointer(FailsStep(1, hosts=(0,)))
   failed = _save(ckpt, 1)
   if read == "result":
