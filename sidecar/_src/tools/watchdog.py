@@ -53,7 +53,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, BinaryIO
 
-from sidecar._src.core import env as env_lib, stacks, stall
+from sidecar._src.core import env as env_lib, procfs, stacks, stall
 from sidecar._src.tools import trainers
 from sidecar._src.wire import ipc
 
@@ -289,15 +289,12 @@ class Watchdog:
               f"{stall.timeout_s:.1f} s, --stall-timeout); pid {stall.pid}'s Python stacks "
               "follow, then it is killed if it is still stalled")
     sig = _stacks_signal()
-    # Unknown (no SigCgt in /proc: gVisor) is sent too: an attached trainer's Worker arms
-    # the signal when SIDECAR_STACKS_SIGNAL is set, and the trainer is killed next anyway.
-    if sig is not None and stacks.catches(stall.pid, sig) is not False:
-      try:
-        os.kill(stall.pid, sig)
-      except OSError:
-        pass
-    else:
-      self._say(f"no stacks: pid {stall.pid} does not catch "
+    targets = [] if sig is None else stack_targets(group, sig)
+    for pid in targets if sig is not None else ():
+      with contextlib.suppress(OSError):
+        os.kill(pid, sig)
+    if not targets:
+      self._say(f"no stacks: no process of trainer group {group} catches "
                 f"{env_lib.STACKS_SIGNAL}={sig.name if sig else 'unset'} (its Worker arms "
                 "faulthandler when it attaches)")
     time.sleep(STACKS_S)  # its handler writes at once; the pump forwards the lines
@@ -456,6 +453,19 @@ def watch_one(proc: subprocess.Popen, host: int, addresses: Callable[[], Mapping
       proc.wait()
       dog.report(found, since_s=found.since_s + time.monotonic() - began, to=addresses)
       return stall.EXIT_CODE
+
+
+def stack_targets(group: int, sig: int) -> list[int]:
+  """The processes of trainer group ``group`` (one this launcher started) to send the stacks
+  signal ``sig``: those the kernel says catch it (their Worker armed faulthandler); where
+  ``/proc`` cannot tell (no SigCgt: gVisor), the group's leader, the very process the
+  launcher started, whose Worker arms it where ``SIDECAR_STACKS_SIGNAL`` is set. Never a pid
+  a client or a sidecar named: a process that does not catch it would die of it."""
+  members = procfs.in_groups([group])[group]
+  caught = {m.pid: stacks.catches(m.pid, sig) for m in members}
+  if any(c is None for c in caught.values()):
+    return [group] if group in caught and caught[group] is not False else []
+  return sorted(pid for pid, c in caught.items() if c)
 
 
 def _stacks_signal() -> signal.Signals | None:

@@ -14,8 +14,10 @@ import pytest
 
 from sidecar._src.tools import trainers, watchdog
 from sidecar._src.wire.protocol import pb
+from tests.support.paths import ROOT
+from tests.support.trainers import results
 
-pytestmark = [pytest.mark.processes, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(200)]
 
 
 @pytest.fixture
@@ -134,3 +136,41 @@ def test_a_trainer_that_stepped_during_its_stacks_is_spared(processes, signals):
   assert dog.said[-1] == ("host 0 rank 0 stepped while its stacks were written (its last "
                           "step 0.4 s ago); not killing it")
   assert all(sig != 9 for _, sig in signals)
+
+
+def _own_pid_namespace() -> str | None:
+  """Why this machine cannot run a PID namespace whose pid counter the test sets (None:
+  it can): ``unshare --pid`` as root, or as a user namespace's root (CI's runners may
+  forbid both)."""
+  for flags in (["--pid"], ["--user", "--map-root-user", "--pid"]):
+    try:
+      done = subprocess.run(["unshare", *flags, "--fork", "--mount-proc", "sh", "-c",
+                             "echo 99 > /proc/sys/kernel/ns_last_pid"], capture_output=True,
+                            timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+      return f"no unshare here ({e})"
+    if done.returncode == 0:
+      return None if flags == ["--pid"] else "user"
+  return f"unshare --pid refused here: {done.stderr.decode(errors='replace').strip()}"
+
+
+def test_a_new_life_with_the_pid_of_a_gone_sessions_process_is_never_killed(tmp_path):
+  """Issue 76, attack 5: 96 sessions claim rank 0 of the next start from processes that
+  then exit, the pid counter is turned back onto their pids, and the next life gets one of
+  them; it attaches 4 s later (its sidecar lists those sessions stalled meanwhile). A
+  session's pid is gone with its process, and the launcher signals only its own trainers'
+  groups: the life runs to its end (on main: SIGKILLed "stalled", exit 124)."""
+  why = _own_pid_namespace()
+  if why not in (None, "user"):
+    pytest.skip(why)
+  user = ["--user", "--map-root-user"] if why == "user" else []
+  done = subprocess.run(
+      ["unshare", *user, "--pid", "--fork", "--mount-proc", sys.executable, "-m",
+       "tests.support.pid_reuse", "attack", str(tmp_path)], cwd=ROOT, capture_output=True,
+      text=True, timeout=180)
+  log = (tmp_path / "launch.log").read_text()
+  assert done.returncode == 0, done.stdout + done.stderr + log
+  got = results(done.stdout)[0]
+  assert got["reused"], got  # the scenario: the next life has a pid of a gone session's
+  assert got["code"] == 0 and got["done"], log
+  assert "stalled" not in log.replace("lists rank 0 stalled", ""), log

@@ -23,8 +23,12 @@ last step (``stall``, ``core/goodput.py``). Ended sessions stay listed for
 can still tell whether it made a step.
 
 What is listed crosses to the launcher as :class:`Trainer`; session names never do (they
-are capabilities). A trainer's pid is the one the kernel gave at attach (``workers.py``),
-0 where it gave none: only a nonzero pid is verified, and only one may be signalled.
+are capabilities). A trainer's pid is the one the kernel gave when its connection was
+accepted (``workers.py``), with that process's start: it is listed only while that very
+process lives (``core/procfs.same``), 0 where the kernel gave none or the process is gone.
+A session outlives its process where another holds its connection (a child, a descriptor
+passed on); the pid the kernel then gives the next process is never this session's
+(issue 76, attack 5). Only a nonzero pid is verified, and only one may be signalled.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from sidecar._src.core import stall
+from sidecar._src.core import procfs, stall
 
 KEEP_ENDED_S = 60.0
 MAX_ENDED = 64
@@ -44,7 +48,7 @@ MAX_ENDED = 64
 @dataclasses.dataclass(frozen=True, slots=True)
 class Trainer:
   """One worker session's progress, as ``Status.trainers`` lists it."""
-  pid: int  # the kernel's at attach (the worker socket's peer), 0: unverified
+  pid: int  # the kernel's at attach (the worker socket's peer) while it lives, else 0
   rank: int  # its SIDECAR_PROCESS_ID (-1: not given)
   restart: int  # its SIDECAR_RESTART (-1: not given)
   tenant: str | None
@@ -64,6 +68,7 @@ class _Track:
   restart: int
   tenant: str | None
   attached: float
+  pid_start: int | None = None  # its process's start (clock ticks after boot): who pid is
   seen: float | None = None  # last heard from (a frame, a feed credit)
   steps: int = 0
   batches: int = 0  # the most its ledger's marks counted
@@ -112,10 +117,12 @@ class Steps:
     self._live: dict[str, _Track] = {}
     self._ended: collections.deque[_Track] = collections.deque(maxlen=MAX_ENDED)
 
-  def attach(self, session: str, *, pid: int, rank: int = -1, restart: int = -1,
-             tenant: str | None = None) -> None:
+  def attach(self, session: str, *, pid: int, pid_start: int | None = None, rank: int = -1,
+             restart: int = -1, tenant: str | None = None) -> None:
+    """``session`` attached from process ``pid``, which started at ``pid_start``
+    (``core/procfs.py``; None: unknown, so its pid is never listed)."""
     with self._lock:
-      self._live[session] = _Track(pid, rank, restart, tenant, self._clock())
+      self._live[session] = _Track(pid, rank, restart, tenant, self._clock(), pid_start)
 
   def attached(self, session: str) -> float | None:
     """When ``session`` attached (Unix seconds); None: no such session."""
@@ -217,7 +224,8 @@ class Steps:
 def _listed(t: _Track, now: float, floor_s: float) -> Trainer:
   since = None if t.last is None else (t.ended or now) - t.last
   limit = t.limit(floor_s)
-  return Trainer(pid=t.pid, rank=t.rank, restart=t.restart, tenant=t.tenant, steps=t.steps,
+  pid = t.pid if t.pid and procfs.same(t.pid, t.pid_start) else 0  # its process's, or none
+  return Trainer(pid=pid, rank=t.rank, restart=t.restart, tenant=t.tenant, steps=t.steps,
                  since_step_s=since, slowest_s=t.slowest, timeout_s=limit,
                  stalled=bool(limit) and since is not None and since > limit,
                  ended=t.ended is not None,
