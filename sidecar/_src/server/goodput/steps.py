@@ -14,6 +14,11 @@ batch 1, then compiles; a device-prefetch thread takes several). So the step sig
 before the trainer's ``startup`` phase ends are counted and heard, never timed; a
 trainer that never says so (a Worker used alone) is never stalled.
 
+Where its clock runs, what it did between steps goes to the goodput ledger as it was
+(``on_gap``: issue 77): a long phase it announced, from its start to its end, and a gap
+without a step longer than its stall timeout that ended in a step, ``slow`` (it worked,
+or waited for a trainer that did: a hung one is killed, and its time is ``stall``).
+
 ``sidecar launch`` polls it in ``Status.trainers`` (``tools/watchdog.py``), the k8s
 trainer container's liveness probe and ``sidecar slurm``'s jobs the same way
 (``sidecar stalls``), and ``/metrics`` carries each trainer's seconds since its last
@@ -59,6 +64,7 @@ class Trainer:
   stalled: bool
   ended: bool  # its session ended (listed a while after, see the module docstring)
   phase: str | None = None  # the long phase it announced, while it lasts
+  cpu_s: float | None = None  # CPU seconds its process used (None: its pid is not listed)
 
 
 @dataclasses.dataclass
@@ -79,6 +85,7 @@ class _Track:
   slowest: float = 0.0
   ended: float | None = None  # monotonic
   phase: stall.Phase | None = None  # the long phase it is in
+  phase_began: float = 0.0  # when it began (Unix seconds)
 
   def limit(self, floor_s: float) -> float:
     """Its stall timeout now: the rule's, or its phase's budget where larger."""
@@ -100,19 +107,26 @@ class Ended:
   stalled: float | None
 
 
+# on_gap(session, kind, name, begin, end): "phase" (its name) or "slow" (None), Unix seconds.
+OnGap = Callable[[str, str, "str | None", float, float], None]
+
+
 class Steps:
   """The step progress of this sidecar's worker sessions; thread-safe.
 
   Args:
     floor_s: the stall timeout's floor (0: no session is ever stalled).
     clock: Unix seconds; ``monotonic``: gaps and ages.
+    on_gap: told of each phase that ended and each slow gap (the goodput ledger's
+      ``Ledgers.gap``), outside the lock.
   """
 
   def __init__(self, floor_s: float = stall.DEFAULT_FLOOR_S, *,
                clock: Callable[[], float] = time.time,
-               monotonic: Callable[[], float] = time.monotonic):
+               monotonic: Callable[[], float] = time.monotonic, on_gap: OnGap | None = None):
     self.floor_s = stall.check_floor(floor_s)
     self._clock, self._monotonic = clock, monotonic
+    self._on_gap = on_gap
     self._lock = threading.Lock()
     self._live: dict[str, _Track] = {}
     self._ended: collections.deque[_Track] = collections.deque(maxlen=MAX_ENDED)
@@ -154,6 +168,7 @@ class Steps:
     the gap from its first save is then its slowest step, so a save interval above the
     floor is never a stall)."""
     now, wall = self._monotonic(), self._clock()
+    gap = None
     with self._lock:
       track = self._live.get(session)
       if track is None:
@@ -171,14 +186,24 @@ class Steps:
         track.touch(now, wall)  # and the gap from it is a step: its saves are its steps
         track.slowest = max(track.slowest, now - (track.first_save or now))
       elif track.last is not None:  # its clock runs
+        limit = track.limit(self.floor_s)
+        if track.phase is None and limit and now - track.last > limit and (
+            track.last_wall is not None):
+          gap = ("slow", None, track.last_wall, wall)  # past its timeout, then a step
         track.slowest = max(track.slowest, now - track.last)
         track.last, track.last_wall = now, wall
+    self._tell(session, gap)
+
+  def _tell(self, session: str, gap: tuple[str, str | None, float, float] | None) -> None:
+    if gap is not None and self._on_gap is not None:
+      self._on_gap(session, *gap)
 
   def phase(self, session: str, phase: stall.Phase) -> None:
     """``session``'s trainer said ``phase`` begins or ends (``core/stall.py``): the end of
     :data:`stall.STARTUP` starts its clock; a long phase's start and end restart it,
     and its budget holds while it lasts."""
     now, wall = self._monotonic(), self._clock()
+    gap = None
     with self._lock:
       track = self._live.get(session)
       if track is None:
@@ -189,11 +214,15 @@ class Steps:
         return
       if phase.ends and (track.phase is None or track.phase.name != phase.name):
         return  # not the phase it is in: nothing ends
+      if track.phase is not None and track.last is not None:  # it ends (or another begins)
+        gap = ("phase", track.phase.name, track.phase_began, wall)
       track.phase = None if phase.ends else phase
+      track.phase_began = wall
       if track.last is not None:
         track.touch(now, wall)
       else:
         track.seen = wall
+    self._tell(session, gap)
 
   def end(self, session: str) -> Ended | None:
     """``session`` ended: what its ledger's death needs (None: no such session)."""
@@ -224,8 +253,11 @@ class Steps:
 def _listed(t: _Track, now: float, floor_s: float) -> Trainer:
   since = None if t.last is None else (t.ended or now) - t.last
   limit = t.limit(floor_s)
-  pid = t.pid if t.pid and procfs.same(t.pid, t.pid_start) else 0  # its process's, or none
-  return Trainer(pid=pid, rank=t.rank, restart=t.restart, tenant=t.tenant, steps=t.steps,
+  stat = procfs.read(t.pid) if t.pid and t.pid_start is not None else None
+  if stat is None or not stat.alive or stat.start != t.pid_start:
+    stat = None  # its process is gone (or never known): no pid of its own any more
+  return Trainer(pid=0 if stat is None else t.pid, cpu_s=None if stat is None else stat.cpu_s,
+                 rank=t.rank, restart=t.restart, tenant=t.tenant, steps=t.steps,
                  since_step_s=since, slowest_s=t.slowest, timeout_s=limit,
                  stalled=bool(limit) and since is not None and since > limit,
                  ended=t.ended is not None,

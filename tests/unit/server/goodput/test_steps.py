@@ -252,3 +252,25 @@ def test_the_sessions_of_a_start_are_listed_by_tenant_live_ones_only(clock):
   assert s.of_start(1) == [("w-1", attached), ("w-2", attached)]
   assert s.of_start(1, "alice", every=False) == [("w-1", attached)]
   assert s.of_start(2) == []
+
+
+def test_a_phase_and_a_slow_gap_go_to_the_ledger_as_they_were(clock):
+  """Issue 77: a phase that ended, from its start; a gap past the timeout that ended in a
+  step, ``slow``; a gap within it, and a gap inside a phase, nothing."""
+  told = []
+  s = steps.Steps(10.0, clock=lambda: clock["t"] + 1.7e9, monotonic=lambda: clock["t"],
+                  on_gap=lambda *gap: told.append(gap))
+  s.attach("w-1", pid=0)
+  s.phase("w-1", stall.Phase("eval", 60.0))  # before its first step: startup's
+  s.phase("w-1", stall.Phase("eval"))
+  started(s)
+  clock["t"] += 0.9
+  s.step("w-1", taken=1)  # within the timeout: a step (the timeout stays the floor's 10 s)
+  clock["t"] += 20.1
+  s.step("w-1", taken=1)  # past it (the watchdog found it slow), then a step
+  s.phase("w-1", stall.Phase("eval", 60.0))
+  clock["t"] += 30.0
+  s.step("w-1", taken=1)  # inside the phase: the phase's
+  s.phase("w-1", stall.Phase("eval"))
+  assert told == [("w-1", "slow", None, 1000.0 + 0.9 + 1.7e9, 1000.0 + 21.0 + 1.7e9),
+                  ("w-1", "phase", "eval", 1000.0 + 21.0 + 1.7e9, 1000.0 + 51.0 + 1.7e9)]
