@@ -353,7 +353,8 @@ class Service:
             pid=t.pid, pid_verified=t.pid > 0, rank=t.rank, restart=t.restart, steps=t.steps,
             since_step_s=-1.0 if t.since_step_s is None else t.since_step_s,
             slowest_step_s=t.slowest_s, stall_timeout_s=t.timeout_s, stalled=t.stalled,
-            ended=t.ended, tenant=t.tenant or ""))
+            ended=t.ended, tenant=t.tenant or "", phase=t.phase or "",
+            cpu_s=-1.0 if t.cpu_s is None else t.cpu_s))
       except (ValueError, TypeError) as e:
         log.error("Status: trainer record %r left out: it cannot be encoded (%s)", t, e)
     return listed

@@ -71,7 +71,7 @@ class Listed(watchdog.Watchdog):
     self._latest[0] = [first]
     self._again = again
 
-  def refresh(self) -> None:
+  def refresh(self, hosts=None) -> None:
     if self._again is not None:
       self._latest[0] = [self._again]
 

@@ -189,8 +189,11 @@ class Steps:
         limit = track.limit(self.floor_s)
         if track.phase is None and limit and now - track.last > limit and (
             track.last_wall is not None):
-          gap = ("slow", None, track.last_wall, wall)  # past its timeout, then a step
-        track.slowest = max(track.slowest, now - track.last)
+          # Past its timeout, then a step: slow work (the watchdog left it to work), not a
+          # step: it never raises the timeout, or the next hang would be found that late.
+          gap = ("slow", None, track.last_wall, wall)
+        else:
+          track.slowest = max(track.slowest, now - track.last)
         track.last, track.last_wall = now, wall
     self._tell(session, gap)
 
