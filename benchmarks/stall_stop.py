@@ -12,8 +12,8 @@ read as it comes, each line stamped on arrival, and the hung process is watched 
 
   found     the stall line's arrival, less (the trainer's last step + T): how long after
             its timeout the stall was found (the last step as the stall line itself says:
-            "no step for S s", S - T at the moment it was printed; 0.1 s resolution on
-            trees that print one decimal)
+            "no step for S s", S - T at the moment it was printed: 0.1 s resolution on
+            trees before issue 77's; since, "found F s after it")
   stopped   the hung process gone from /proc (reaped), less the stall line's arrival
   new life  the launcher's "restart 1:" line (the new life told to run: the standby's
             take, or a fresh process), less the stop
@@ -41,6 +41,7 @@ import time
 from benchmarks.common import table
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+_FOUND = re.compile(r"found ([\d.]+) s after it\)")
 _STALL = re.compile(r"stalled: no step for ([\d.]+) s since its last step \(its stall timeout "
                     r"([\d.]+) s")
 
@@ -92,7 +93,9 @@ def one_round(tree: pathlib.Path, timeout: float, standby: bool) -> dict:
         if r["kind"] == "step" and r["restart"] == 1 and "step" not in got:
           got["step"] = now
       elif (m := _STALL.search(line)) is not None and "found" not in got:
-        got["found"], got["late"] = now, float(m.group(1)) - float(m.group(2))
+        late = _FOUND.search(line)  # this tree's line says it to the hundredth
+        got["found"] = now
+        got["late"] = float(late.group(1)) if late else float(m.group(1)) - float(m.group(2))
       elif "restart 1:" in line and "restart" not in got:
         got["restart"] = now
     code = proc.wait()
@@ -133,8 +136,9 @@ def main(argv: list[str] | None = None) -> int:
   print(table(["tree", "rounds", "found after the timeout", "stopped after found",
                "new life after the stop", "first step after the stop"], rows))
   if len(rows) == 2 and all(figures.values()):
-    ratio = [f"{statistics.median(r[k] for r in figures['after']) / max(1e-9, statistics.median(r[k] for r in figures['before'])):.2f}x"
-             for k in keys]
+    med = {name: {k: statistics.median(r[k] for r in rs) for k in keys}
+           for name, rs in figures.items()}
+    ratio = [f"{med['after'][k] / max(1e-9, med['before'][k]):.2f}x" for k in keys]
     print(table(["after / before", *keys], [["ratio", *ratio]]))
   return 0
 

@@ -4,12 +4,15 @@ A trainer that makes no step is either **slow** (its threads work: an evaluation
 declared, a recompile, a restore) or **hung** (blocked in a call, a deadlock, a peer that
 is gone): the first burns CPU, the second burns nothing. Whoever decides reads it from
 ``/proc`` (``core/procfs.py``: ``utime + stime``, every thread's, each process of the
-trainer's process group, its data loader's workers included, plus the time its threads
-waited for a CPU where the kernel keeps it: on a machine shared by more runnable threads than
-cores a busy thread waits more than it runs) and compares two readings (:class:`Samples`):
-at least :data:`BUSY_SHARE` of one core over the last :data:`MIN_WINDOW_S` ..
-:data:`WINDOW_S` seconds is busy. An idle trainer burned 0% on the 2-core development
-machine and 0.4-1.5% on the lent v5e; an evaluation of the LM example 30% and more.
+trainer's process group, its data loader's workers included) and compares two readings
+(:class:`Samples`): at least :data:`BUSY_SHARE` of one core over the last
+:data:`MIN_WINDOW_S` .. :data:`WINDOW_S` seconds is busy. An idle trainer burned 0-1% on the
+2-core development machine (with six runnable threads per core beside it), one waiting
+in a collective for another process (gloo) 0.5%, and 0.4-1.5% on the lent v5e; an
+evaluation or a recompile of the LM example 18-250% there, as loaded as it was: a busy
+thread gets its share of a core however loaded the machine. The time a thread
+waits for a CPU (``schedstat``) is no sign of work: an idle thread that wakes now and then
+waits as long on a loaded machine (a collective's waiting rank read 5% with it).
 ``sidecar launch`` reads the process groups of the trainers it started
 (``tools/watchdog.py``); nobody's claim enters. ``sidecar stalls`` (a Kubernetes liveness
 probe) reads what the sidecar read of each trainer's verified process
@@ -34,9 +37,9 @@ from collections.abc import Callable, Hashable, Iterable
 
 from sidecar._src.core import procfs
 
-BUSY_SHARE = 0.05  # of one core: a trainer that burns (or waits for) this much works
+BUSY_SHARE = 0.05  # of one core: a trainer that burns this much works
 MIN_WINDOW_S = 0.5  # the shortest span two readings may be compared over
-WINDOW_S = 3.0  # readings older than this are dropped (one is kept)
+WINDOW_S = 3.0  # the longest span judged; readings older are dropped (one is kept)
 
 
 class Samples:
@@ -75,28 +78,32 @@ class Samples:
       del self._by_key[key]
       self._offset.pop(key, None)
 
-  def rate(self, key: Hashable) -> float | None:
-    """Cores ``key`` burned between its newest reading and the newest one at least
-    :data:`MIN_WINDOW_S` before it (within :data:`WINDOW_S`): what it does now, not the
-    steps it made before it stopped; None: no such two."""
+  def rate(self, key: Hashable, *, since: float | None = None) -> float | None:
+    """Cores ``key`` burned between its newest reading and its oldest within
+    :data:`WINDOW_S` and not before ``since`` (its last step, on the same clock: what it
+    did since, not the steps it made before it stopped), at least :data:`MIN_WINDOW_S`
+    apart; None: no such two. A trainer that works in bursts (an evaluation that reads
+    between its batches) is judged over seconds, not over one pause."""
     kept = self._by_key.get(key)
     if not kept:
       return None
     t1, c1 = kept[-1]
-    for t0, c0 in reversed(kept):
-      if t1 - t0 >= MIN_WINDOW_S:
+    for t0, c0 in kept:
+      if t1 - t0 < MIN_WINDOW_S:
+        return None
+      if t1 - t0 <= WINDOW_S and (since is None or t0 >= since):
         return (c1 - c0) / (t1 - t0)
     return None
 
-  def busy(self, key: Hashable) -> bool | None:
+  def busy(self, key: Hashable, *, since: float | None = None) -> bool | None:
     """Whether ``key`` works (:func:`rate` at least :data:`BUSY_SHARE`); None: not known."""
-    rate = self.rate(key)
+    rate = self.rate(key, since=since)
     return None if rate is None else rate >= BUSY_SHARE
 
 
 def groups_cpu(groups: Iterable[int]) -> dict[int, float | None]:
-  """Seconds the live processes of each process group used a CPU or waited for one so
-  far (one read of ``/proc``); None for a group with no live process."""
+  """CPU seconds the live processes of each process group used so far (one read of
+  ``/proc``); None for a group with no live process."""
   found = procfs.in_groups(groups)
-  return {g: (sum(s.cpu_s + (procfs.waited_s(s.pid) or 0.0) for s in members) if members
-              else None) for g, members in found.items()}
+  return {g: (sum(s.cpu_s for s in members) if members else None)
+          for g, members in found.items()}

@@ -6,9 +6,7 @@ A pid and its process's **start** (clock ticks after boot, ``stat``'s field 22) 
 long as the machine runs: :func:`same` says whether the process that had ``start`` then
 still has ``pid`` now. Its state, its process group and the CPU time all its threads used
 (``utime + stime``, :attr:`Stat.cpu_s`) come from the same line: the kernel's count, which
-no process can claim for another (issue 76: the kernel counts; issue 77: busy is not hung),
-and, where the kernel keeps scheduler statistics, the time its threads waited for a CPU
-(:func:`waited_s`: on a loaded machine a busy thread waits more than it runs).
+no process can claim for another (issue 76: the kernel counts; issue 77: busy is not hung).
 
 Where ``/proc`` has no such entry (the process is gone, another PID namespace, not Linux)
 the answer is None: never a guess.
@@ -81,26 +79,6 @@ def same(pid: int, started: int | None) -> bool:
   and given to another process since is not; None: never known, so never the same)."""
   stat = None if started is None else read(pid)
   return stat is not None and stat.alive and stat.start == started
-
-
-def waited_s(pid: int) -> float | None:
-  """Seconds process ``pid``'s live threads waited for a CPU (runnable, not running: each
-  thread's ``/proc/PID/task/TID/schedstat``); None where the kernel does not say (no
-  schedstats: gVisor). A thread that ends takes its share with it."""
-  try:
-    tids = os.listdir(f"/proc/{pid}/task")
-  except OSError:
-    return None
-  total = 0
-  for tid in tids:
-    try:
-      with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
-        total += int(f.read().split()[1])
-    except FileNotFoundError:
-      continue  # it ended meanwhile
-    except (OSError, ValueError, IndexError):
-      return None
-  return total / 1e9
 
 
 def every() -> Iterator[Stat]:

@@ -79,6 +79,7 @@ if TYPE_CHECKING:  # the protobuf messages load with gRPC, once a Status is read
 
 POLL_S = 1.0  # how often each sidecar's Status is read (and the trainers' CPU)
 AHEAD_S = 0.02  # a stall is looked for this long after its timeout would pass
+SAMPLE_S = 0.2  # the trainers' CPU is read at most this often
 STATUS_TIMEOUT_S = 5.0
 STACKS_S = 1.0  # the longest a stalled trainer's stacks are waited for
 QUIET_S = 0.1  # its stacks are whole once its output is quiet this long after they began
@@ -200,6 +201,7 @@ class Watchdog:
     self._latest: dict[int, list] = {}  # host -> its Status.trainers, last read
     self._read_at: dict[int, float] = {}  # host -> when it was last read (monotonic)
     self._cpu = busy.Samples()  # by process group: the trainers' CPU seconds
+    self._sampled = -SAMPLE_S  # when they were last read (monotonic)
     self._stepped: set[tuple[int, int]] = set()  # (rank, restart) seen with a step
     self._seen: set[tuple[int, int]] = set()  # (rank, restart) seen attached
     self._taken: dict[tuple[int, int], int] = {}  # (rank, restart) -> batches it took
@@ -284,7 +286,13 @@ class Watchdog:
           self._taken[key] = max(self._taken.get(key, 0), int(t.steps))
 
   def sample(self) -> None:
-    """Reads the CPU time of each trainer's process group now (``core/busy.py``)."""
+    """Reads the CPU time of each trainer's process group now (``core/busy.py``; at most
+    every :data:`SAMPLE_S`: a stall listed for minutes is judged at each of the launcher's
+    turns, and a read of ``/proc`` is one of every process)."""
+    now = time.monotonic()
+    if now - self._sampled < SAMPLE_S:
+      return
+    self._sampled = now
     groups = set(dict(self._groups()).values())
     cpu = busy.groups_cpu(groups)
     with self._lock:
@@ -310,7 +318,9 @@ class Watchdog:
     with self._lock:
       latest = [(h, t, self._read_at.get(h, now)) for h, ts in self._latest.items()
                 for t in ts if t.restart == restart and not t.ended and t.rank in running]
-      rates = {r: self._cpu.rate(g) for r, g in running.items()}
+      # Each one's work since its last step (within busy.WINDOW_S), not before it.
+      last = {t.rank: at - t.since_step_s for _, t, at in latest if t.since_step_s >= 0}
+      rates = {r: self._cpu.rate(g, since=last.get(r)) for r, g in running.items()}
     found = []
     for host, t, at in latest:
       if not t.stalled:
@@ -326,6 +336,8 @@ class Watchdog:
         continue
       since = t.since_step_s + (now - at)
       rate = rates.get(t.rank)
+      if rate is None and since < t.stall_timeout_s + busy.WINDOW_S:
+        continue  # its work since its last step not known yet: read again (check's turns)
       works = _working(t.rank, latest, rates)
       verdict = stall.judge(since, t.stall_timeout_s,
                             busy=None if rate is None else rate >= busy.BUSY_SHARE,
