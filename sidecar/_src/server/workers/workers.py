@@ -11,7 +11,7 @@ with no TCP and no HTTP/2 in the way. A ``calls`` connection carries one worker'
 unary calls, one after another (the fast path for ``ctl.call``).
 
 A worker's pid is the kernel's, with its process's start, taken as its connection is
-accepted (``peers.py``), never the ``pid`` its attach message claims; where the kernel
+accepted (``connector.py``), never the ``pid`` its attach message claims; where the kernel
 gives none (a trainer in another PID namespace), or once that process is gone, the session's
 pid is listed as 0: unverified, and never signalled (``tools/watchdog.py``).
 """
@@ -41,7 +41,7 @@ from sidecar._src.server.calls.stream_runner import StreamRunner
 from sidecar._src.server.goodput import ledgers as ledgers_lib, steps as steps_lib
 from sidecar._src.server.limits import check_prefetch
 from sidecar._src.server.tenancy import tenants as tenants_lib
-from sidecar._src.server.workers import conns, peers, session_blocks
+from sidecar._src.server.workers import connector, conns, session_blocks
 from sidecar._src.wire import codec, feed_batch, ipc, protocol
 from sidecar._src.wire.protocol import pb
 
@@ -203,7 +203,7 @@ class WorkerListener:
   def _serve(self, conn: socket.socket) -> None:
     session = None
     counts = contextlib.ExitStack()  # the tenant's count of connections, once taken
-    peer = peers.Peer.of(conn)  # who connected, before it can say anything
+    who = connector.Connector.of(conn)  # who connected, before it can say anything
     try:
       conn.settimeout(FIRST_FRAME_S)
       with conns.own_io():
@@ -216,9 +216,9 @@ class WorkerListener:
       if message.get("op") != "attach":
         raise errors.InvalidArgumentError(
             f"first message must be attach, got {message.get('op')!r}")
-      tenant = self._attach_tenant(message, peer.uid)
-      claimed = peers.claimed_pid(message.get("pid"))  # InvalidArgumentError: impossible
-      pid = peer.pid
+      tenant = self._attach_tenant(message, who.uid)
+      claimed = connector.claimed_pid(message.get("pid"))  # InvalidArgumentError: impossible
+      pid = who.pid
       replica_link = tenants_lib.ReplicaAttach.parse(message.get("token")) is not None
       counts.enter_context(self._counted(tenant))  # ResourceExhaustedError: all taken
       reply = self._hello(message)  # raises VersionMismatchError on skew
@@ -231,7 +231,7 @@ class WorkerListener:
         if replica_link:
           self._replica_sessions.add(session)
         self._pids[session] = pid
-      self.steps.attach(session, pid=pid, pid_start=peer.start, tenant=tenant,
+      self.steps.attach(session, pid=pid, pid_start=who.start, tenant=tenant,
                         rank=_small_int(message.get("rank")),
                         restart=_small_int(message.get("restart")))
       # Its tenant's arena, and no other: what it maps is all it can ever see.
@@ -243,7 +243,7 @@ class WorkerListener:
       with conns.own_io():
         ipc.send(conn, reply, fds=(arena.fd,))
       log.info("worker pid %s attached as %s%s", pid or "unverified", session,
-               peers.claim_note(claimed, pid), extra={"session": session})
+               connector.claim_note(claimed, pid), extra={"session": session})
       # Whether it reads {"queued": place} frames while an alloc waits its turn (a pool).
       frames = message.get("queue") is True
       while True:

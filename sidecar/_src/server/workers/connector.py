@@ -5,7 +5,7 @@ process that called ``connect()``), never the ``pid`` its attach message claims 
 69). The claim is only checked (an impossible pid is refused: :func:`claimed_pid`) and
 logged (:func:`claim_note`). The process is named by its pid *and its start*
 (``core/procfs.py``), read as soon as the connection is accepted, before the client says
-anything (:meth:`Peer.of`): a pid names that process only while it lives, and a process
+anything (:meth:`Connector.of`): a pid names that process only while it lives, and a process
 that connects and exits leaves a session whose pid the next process may get. So a
 session's pid is listed only while its own process lives (``goodput/steps.py``), whoever
 holds the connection since (issue 76, attack 5). Where the kernel gives no pid (a trainer in
@@ -27,7 +27,7 @@ from sidecar._src.wire import ipc
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Peer:
+class Connector:
   """The process that connected, as the kernel says: ``pid`` 0 where it says none (then
   ``start`` is None); ``uid`` None where the socket is gone."""
   pid: int
@@ -35,7 +35,7 @@ class Peer:
   uid: int | None
 
   @classmethod
-  def of(cls, conn: socket.socket) -> Peer:
+  def of(cls, conn: socket.socket) -> Connector:
     cred = ipc.ucred_or_none(conn)
     if cred is None:
       return cls(0, None, None)
