@@ -7,8 +7,10 @@ watchdog reads (its last listing, ``refresh``), and the signals it sends are rec
 (one to a pid <= 0 is never let through: see ``signals``)."""
 
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -69,6 +71,7 @@ class Listed(watchdog.Watchdog):
     self.said: list[str] = []
     super().__init__(lambda: {}, token=None, say=self.said.append)
     self._latest[0] = [first]
+    self._read_at[0] = time.monotonic()  # as read now: its "no step for" grows from here
     self._again = again
 
   def refresh(self, hosts=None) -> None:
@@ -174,3 +177,50 @@ def test_a_new_life_with_the_pid_of_a_gone_sessions_process_is_never_killed(tmp_
   assert got["reused"], got  # the scenario: the next life has a pid of a gone session's
   assert got["code"] == 0 and got["done"], log
   assert "stalled" not in log.replace("lists rank 0 stalled", ""), log
+
+
+BUSY = "while True: pass"
+IDLE = "import time; time.sleep(60)"
+ARMED = ("import faulthandler, signal, subprocess, sys, time\n"
+         "faulthandler.register(signal.SIGUSR2, all_threads=True)\n"
+         "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+         "print('ready', flush=True)\n{body}")
+
+
+def _trainer(body: str) -> subprocess.Popen:
+  """A trainer as the launcher starts one (leading its own group), armed for its stacks, with
+  a child in its group that is not."""
+  p = subprocess.Popen([sys.executable, "-c", ARMED.format(body=body)],
+                       stdout=subprocess.PIPE, start_new_session=True)
+  assert p.stdout.readline() == b"ready\n"
+  return p
+
+
+@pytest.mark.parametrize("body, killed", [(BUSY, False), (IDLE, True)], ids=["busy", "idle"])
+def test_busy_is_slow_and_idle_is_hung_and_the_stacks_go_to_who_catches_them(
+    signals, body, killed):
+  """Issue 77 at the watchdog: a stalled trainer whose group burns CPU is slow (said once,
+  its stacks asked, left alone); an idle one is hung and its group killed. The stacks
+  signal goes to the group's members the kernel says catch it, never a listed pid."""
+  trainer = _trainer(body)
+  try:
+    dog = Listed(_stalled(trainer.pid))
+    dog._groups = lambda: {0: trainer.pid}
+    for _ in range(3):  # readings of its CPU over more than half a second
+      dog._sampled = -1.0
+      dog.sample()
+      time.sleep(0.3)
+    found = dog.check({0: trainer}, 0)
+    assert (found is not None) == killed
+    stacks = [pid for pid, sig in signals if sig == signal.SIGUSR2]
+    assert stacks == [trainer.pid]  # its child, in its group, does not catch it
+    if killed:
+      assert trainer.wait(timeout=10) == -9 and "and idle" in dog.said[0]
+      assert signals[-1] == (-trainer.pid, signal.SIGKILL)
+    else:
+      assert trainer.poll() is None and "is slow" in dog.said[0] and "ctl.phase" in dog.said[0]
+      assert dog.check({0: trainer}, 0) is None and len(dog.said) == 1  # said once
+  finally:
+    trainer.kill()
+    trainer.wait()
+    trainers.signal_group(trainer.pid, signal.SIGKILL)
