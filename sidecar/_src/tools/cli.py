@@ -108,10 +108,10 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def _stalls(args: argparse.Namespace) -> int:
-  from sidecar._src.tools import watchdog
-  return watchdog.probe(cli_types.addresses(args), token=cli_types.token(args),
-                        timeout=args.timeout, send_stacks=args.stacks,
-                        say=lambda text: print(f"sidecar stalls: {text}", flush=True))
+  from sidecar._src.tools import stalls
+  return stalls.probe(cli_types.addresses(args), token=cli_types.token(args),
+                      timeout=args.timeout, send_stacks=args.stacks,
+                      say=lambda text: print(f"sidecar stalls: {text}", flush=True))
 
 
 def _status(args: argparse.Namespace) -> int:

@@ -68,14 +68,10 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, BinaryIO
+from typing import BinaryIO
 
 from sidecar._src.core import busy, env as env_lib, procfs, stacks, stall
 from sidecar._src.tools import trainers
-from sidecar._src.wire import ipc
-
-if TYPE_CHECKING:  # the protobuf messages load with gRPC, once a Status is read
-  from sidecar._src.wire.protocol import pb
 
 POLL_S = 1.0  # how often each sidecar's Status is read (and the trainers' CPU)
 AHEAD_S = 0.02  # a stall is looked for this long after its timeout would pass
@@ -84,7 +80,7 @@ STATUS_TIMEOUT_S = 5.0
 STACKS_S = 1.0  # the longest a stalled trainer's stacks are waited for
 QUIET_S = 0.1  # its stacks are whole once its output is quiet this long after they began
 REPEATS = 2  # the same failure this often in a row (before a step, or at one) ends the job
-_FIX = ("declare it: `with ctl.phase(\"eval\", budget_s=...)` (a Controller's; "
+FIX = ("declare it: `with ctl.phase(\"eval\", budget_s=...)` (a Controller's; "
         "`Worker.phase` for a Worker used alone; docs/elastic.md), or raise --stall-timeout")
 # What `sidecar launch --help` says of this module's two rules.
 HELP = f"""\
@@ -379,10 +375,10 @@ class Watchdog:
             f"{found.since_s:.1f} s since its last step (its stall timeout "
             f"{found.timeout_s:.1f} s, --stall-timeout)")
     if found.verdict is stall.Verdict.SLOW:
-      self._say(f"{head}, but it works (its processes burn {_share(found.cpu)} of a core): "
+      self._say(f"{head}, but it works (its processes burn {share(found.cpu)} of a core): "
                 f"it is not stopped unless it makes no step for {found.bound_s:.1f} s "
                 f"({stall.SLOW_MULTIPLE:g}x its timeout). If this is an evaluation or "
-                f"another long phase, {_FIX}. Its Python stacks follow")
+                f"another long phase, {FIX}. Its Python stacks follow")
       self._stacks(found, group)
     else:
       self._say(f"{head} and burns nothing, but {found.waits_for} works: it waits for it, "
@@ -425,11 +421,11 @@ class Watchdog:
                 f"process group of the trainer this launcher started ({group}); "
                 "signalling nothing")
       return False
-    why = (f"working all the while ({_share(found.cpu)} of a core lately), past "
+    why = (f"working all the while ({share(found.cpu)} of a core lately), past "
            f"{stall.SLOW_MULTIPLE:g}x its timeout: a loop that never steps"
            if found.since_s > found.bound_s and found.cpu is not None
            and found.cpu >= busy.BUSY_SHARE else
-           f"and idle ({_share(found.cpu)} of a core lately"
+           f"and idle ({share(found.cpu)} of a core lately"
            + (f", and {found.waits_for} no longer works" if found.waits_for else
               ", nor does another trainer of its start work") + "): hung")
     self._say(f"host {found.host} rank {found.rank} stalled: no step for "
@@ -437,7 +433,7 @@ class Watchdog:
               f"{found.timeout_s:.1f} s, --stall-timeout; found {found.late_s:.2f} s after "
               f"it), {why}; its Python stacks follow, then it is killed if it is still "
               f"stalled. If it waited for something that takes this long (a computation on "
-              f"its device, a slow read), {_FIX}")
+              f"its device, a slow read), {FIX}")
     self._stacks(found, group)
     if (moved := self._stepped_since(found)) is not None:
       self._say(f"host {found.host} rank {found.rank} stepped while its stacks were written "
@@ -453,7 +449,7 @@ class Watchdog:
     """Has trainer group ``group`` write its stacks and waits until they came: its output
     quiet for :data:`QUIET_S` after their first line (faulthandler writes them in one go),
     at most :data:`STACKS_S`; not at all where no process of it catches the signal."""
-    sig = _stacks_signal()
+    sig = stacks_signal()
     targets = [] if sig is None else stack_targets(group, sig)
     if sig is None or not targets:
       self._say(f"no stacks: no process of trainer group {group} catches "
@@ -532,106 +528,6 @@ class Watchdog:
             + "): a restart would fail again; not restarting it")
 
 
-def probe(addresses: Sequence[str], *, token: str | None, timeout: float, send_stacks: bool,
-          say: Callable[[str], None]) -> int:
-  """``sidecar stalls``: 1 where a trainer attached to one of the sidecars at ``addresses``
-  is hung (a "stall" line for each; with ``send_stacks``, its stacks asked for where
-  :func:`_unsignalled` finds no reason not to: the k8s trainer container's liveness probe
-  runs beside it), else 0. Busy is not hung: where one is stalled the sidecars are read
-  again :data:`busy.MIN_WINDOW_S` later, and a stalled trainer whose process burned CPU
-  meanwhile (its sidecar reads it: ``TrainerStatus.cpu_s``) is slow, one that burned nothing
-  while another trainer of its start worked waits (``stall.judge``): each is said, and
-  neither fails the probe before :data:`stall.SLOW_MULTIPLE` x its timeout. A sidecar that
-  does not answer is said, and is no stall: its own probes watch it."""
-  from sidecar._src.arena import shm  # numpy: `sidecar launch --help` stays fast
-  here = (shm.boot_id(), ipc.pid_namespace())
-  first = _read_all(addresses, token=token, timeout=timeout, say=say)
-  if not any(t.stalled and not t.ended for got in first.values() for t in got.trainers):
-    return 0
-  time.sleep(busy.MIN_WINDOW_S)  # a second reading: what each burned meanwhile
-  then = time.monotonic() - busy.MIN_WINDOW_S
-  second = _read_all(addresses, token=token, timeout=timeout, say=say)
-  cpu = busy.Samples()
-  for reading, at in ((first, then), (second, None)):
-    for address, got in reading.items():
-      for t in got.trainers:
-        cpu.add((address, t.rank, t.restart, t.pid), t.cpu_s if t.cpu_s >= 0 else None, at)
-  found = 0
-  for address, got in second.items():
-    for t in got.trainers:
-      if not t.stalled or t.ended:
-        continue
-      rate = cpu.rate((address, t.rank, t.restart, t.pid))
-      works = next((f"rank {o.rank}" for a, g in second.items() for o in g.trainers
-                    if o.restart == t.restart and o.rank != t.rank and not o.ended and (
-                        (o.phase and not o.stalled)
-                        or (cpu.busy((a, o.rank, o.restart, o.pid)) or False))), "")
-      verdict = stall.judge(t.since_step_s, t.stall_timeout_s,
-                            busy=None if rate is None else rate >= busy.BUSY_SHARE,
-                            others_work=bool(works))
-      head = (f"host {got.identity.host_id} rank {t.rank} stalled: no step for "
-              f"{t.since_step_s:.1f} s since its last step (its stall timeout "
-              f"{t.stall_timeout_s:.1f} s; pid {t.pid if t.pid_verified else 'unverified'})")
-      if verdict is not stall.Verdict.HUNG:
-        say(f"{head}, but " + (f"it works ({_share(rate)} of a core): slow" if verdict is
-                               stall.Verdict.SLOW else f"{works} works: it waits")
-            + f"; no hang before {stall.SLOW_MULTIPLE:g}x its timeout. If this is an "
-            f"evaluation or another long phase, {_FIX}")
-        continue
-      found += 1
-      say(head)
-      if not send_stacks:
-        continue
-      if (why := _unsignalled(t, got, here)) is not None:
-        say(f"no stacks asked of host {got.identity.host_id} rank {t.rank}: {why}")
-        continue
-      sig = _stacks_signal()
-      # Unknown (no SigCgt in /proc: gVisor) is sent too: an attached trainer's Worker
-      # armed it where SIDECAR_STACKS_SIGNAL is set, as in this container's environment.
-      if sig is not None and stacks.catches(t.pid, sig) is not False:
-        with contextlib.suppress(OSError):
-          os.kill(t.pid, sig)  # its stacks go to its own stderr: the container's log
-  return 1 if found else 0
-
-
-def _read_all(addresses: Sequence[str], *, token: str | None, timeout: float,
-              say: Callable[[str], None]) -> dict[str, pb.StatusResponse]:
-  """Each sidecar's Status that answered; one that did not is said."""
-  from sidecar._src.controller import status as status_lib  # gRPC, as refresh()
-  out = {}
-  for address in addresses:
-    try:
-      out[address] = status_lib.fetch(address, timeout=timeout, token=token)
-    except Exception as e:  # noqa: BLE001 - any failure: no stall can be told
-      say(f"cannot read the status of the sidecar at {address} ({type(e).__name__}: {e}); "
-          "no stall can be told")
-  return out
-
-
-def _unsignalled(t: pb.TrainerStatus, got: pb.StatusResponse, here: tuple[str, str]
-                 ) -> str | None:
-  """Why ``sidecar stalls --stacks`` may not signal trainer ``t`` (a ``TrainerStatus`` of
-  Status ``got``), None where it may: only a pid the sidecar had from the kernel (its
-  worker socket's peer credentials), of the caller's own tenant, in this process's boot and
-  PID namespace (``here``), where the number names the same process (issue 69)."""
-  if not t.pid_verified or not 0 < t.pid < ipc.PID_LIMIT:
-    return ("its pid is unverified: the sidecar had none from the kernel (a trainer in "
-            "another PID namespace; in Kubernetes, shareProcessNamespace: true shares one)")
-  if t.tenant != got.tenant:
-    return (f"it is tenant {t.tenant!r}'s trainer, and this token is "
-            + (f"tenant {got.tenant!r}'s" if got.tenant else "no tenant's")
-            + ": a token acts on its own tenant's trainers only")
-  boot, namespace = here
-  if not boot or got.identity.boot_id != boot or not namespace or (
-      got.identity.pid_namespace != namespace):
-    return (f"its pid {t.pid} is the sidecar's view, from another "
-            + ("kernel" if got.identity.boot_id != boot else "PID namespace")
-            + " than this process's (or one /proc does not name), where it names another "
-            "process: run `sidecar stalls --stacks` beside the trainer, sharing the sidecar's "
-            "PID namespace")
-  return None
-
-
 def watch_one(proc: subprocess.Popen, host: int, addresses: Callable[[], Mapping[int, str]],
               *, token: str | None, rank: int, restart: int, say: Callable[[str], None],
               poll_s: float = POLL_S) -> int:
@@ -671,14 +567,14 @@ def _working(rank: int, latest: list, rates: Mapping[int, float | None]) -> str:
   process group burns CPU, or one in a phase it announced (its budget not run out)."""
   for r, rate in sorted(rates.items()):
     if r != rank and rate is not None and rate >= busy.BUSY_SHARE:
-      return f"rank {r} ({_share(rate)} of a core)"
+      return f"rank {r} ({share(rate)} of a core)"
   for _, t, _ in latest:
     if t.rank != rank and t.phase and not t.stalled:
       return f"rank {t.rank} (in phase {t.phase!r})"
   return ""
 
 
-def _share(rate: float | None) -> str:
+def share(rate: float | None) -> str:
   return "an unknown share" if rate is None else f"{100 * rate:.0f}%"
 
 
@@ -695,7 +591,7 @@ def stack_targets(group: int, sig: int) -> list[int]:
   return sorted(pid for pid, c in caught.items() if c)
 
 
-def _stacks_signal() -> signal.Signals | None:
+def stacks_signal() -> signal.Signals | None:
   """The signal the trainers arm (the launcher's own value, else what it sets)."""
   try:
     return stacks.parse(env_lib.get(env_lib.STACKS_SIGNAL) or stacks.DEFAULT)
