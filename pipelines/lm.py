@@ -43,6 +43,8 @@ except ImportError as e:  # Not in the core install: an extra.
       "pipelines.lm needs array-record: pip install 'colocated-sidecar[lm]'") from e
 
 MANIFEST = "manifest.json"
+# Beside the corpus, text it never holds: what a trainer evaluates on (examples/lm/prepare.py).
+HELDOUT = "heldout.bin"
 FORMAT = "sidecar-lm-bytes/1"
 VOCAB_SIZE = 256
 

@@ -7,6 +7,11 @@ suites), sorted by their path relative to it, concatenated byte for byte, each f
 by a newline, cut into 64 KiB records in 16 MiB shards, with ``manifest.json`` beside
 them (``pipelines.lm.write_corpus``). Nothing is downloaded; the same Python writes the
 same corpus every time.
+
+Beside it, ``heldout.bin`` (``pipelines.lm.HELDOUT``): ``--heldout-kb`` of text the corpus
+never holds, for ``train.py --eval-every``: the stdlib's own test suites (left out of the
+corpus), sorted the same way; where this Python has none, the sources after the corpus's
+``--max-mb`` cut; neither (the whole stdlib, no tests): none is written.
 """
 
 from __future__ import annotations
@@ -50,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--shard-mb", type=int, default=16, help="MiB of each shard file")
   parser.add_argument("--root", default=None,
                       help="directory of .py files to read (default: the stdlib)")
+  parser.add_argument("--heldout-kb", type=int, default=256,
+                      help="KiB of held-out text to write beside the corpus (0: none)")
   args = parser.parse_args(argv)
   paths = source_files(args.root)
   max_bytes = None if args.max_mb is None else int(args.max_mb * (1 << 20))
@@ -58,7 +65,30 @@ def main(argv: list[str] | None = None) -> int:
                              sources=len(paths))
   print(f"wrote {manifest.total_bytes:,} bytes of {len(paths)} files' sources as "
         f"{sum(manifest.records)} records in {len(manifest.shards)} shard(s) to {args.out}")
+  if args.heldout_kb > 0:
+    heldout = held_out(args.root, manifest.total_bytes, args.heldout_kb << 10)
+    target = pathlib.Path(args.out) / lm.HELDOUT
+    if heldout:
+      target.write_bytes(heldout)
+      print(f"wrote {len(heldout):,} bytes of held-out text to {target}")
+    else:
+      target.unlink(missing_ok=True)
+      print("no held-out text: this Python has no test suites, and the corpus holds every "
+            "source (give --max-mb for some to be left out)")
   return 0
+
+
+def held_out(root: str | None, used: int, size: int) -> bytes:
+  """``size`` bytes the corpus does not hold: the test suites' sources (left out of it), or
+  the sources after its first ``used`` bytes; b"" where there are none."""
+  base = pathlib.Path(root or sysconfig.get_paths()["stdlib"])
+  tests = sorted((p for d in ("test", "tests") for p in base.glob(f"**/{d}/**/*.py")
+                  if p.is_file() and "site-packages" not in p.parts),
+                 key=lambda p: p.relative_to(base).as_posix())
+  if tests:
+    return b"".join(_contents(tests[:max(1, size >> 10)]))[:size]
+  rest = b"".join(_contents(source_files(root)))[used:used + size]
+  return rest
 
 
 if __name__ == "__main__":

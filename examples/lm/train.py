@@ -21,6 +21,10 @@ steps and after the last. With ``--recover-in-process``, a step that
 raises rolls back to the latest committed step in the same process
 (``sidecar.jax.Recovery``); the same step failing again ends the process. With
 ``--inject-faults`` (testing), ``trainers.INJECT``'s signals make a step raise or hang.
+With ``--eval-every N``, every N steps it evaluates the model on held-out text
+(``trainers.Evaluation``) inside ``ctl.phase("eval", budget_s=--eval-budget)``: the
+evaluation is a phase it announces, so a watchdog (``sidecar launch --stall-timeout``)
+never takes its steps' pause for a hang.
 
 A checkpoint it cannot resume from ends it with the error and the flag that gets past
 it: a damaged latest step names ``--restore-step N`` (an older step that checks intact)
@@ -36,9 +40,11 @@ you are done with them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # model.py, beside this file
@@ -69,10 +75,52 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  help="where the latest step of --ckpt does not restore whole, restore the "
                       "newest older one that does (ckpt.restore(fallback=True)); the steps "
                       "it skipped are set aside (<ckpt>/set-aside-<step>)")
+  p.add_argument("--eval-budget", type=float, default=900.0, metavar="SECONDS",
+                 help="the longest an evaluation may take without a step before the "
+                      "watchdog counts the trainer as stalled (its phase's budget)")
+  p.add_argument("--eval-undeclared", action="store_true",
+                 help="testing: evaluate without announcing the phase (as a trainer that "
+                      "does not: sidecar launch finds it slow, its stall line says so)")
+  p.add_argument("--hang-at", type=int, default=0, metavar="STEP",
+                 help="testing: step STEP of the job's first start blocks in a call that "
+                      "never returns (a hang that burns nothing); 0: never")
+  p.add_argument("--recompile-at", default="", metavar="STEP:SECONDS[:PROCESS]",
+                 help="testing: in step STEP of the job's first start, recompile programs "
+                      "for SECONDS (a shape that changed: CPU-bound), in process PROCESS "
+                      "only (default: every one)")
   p.add_argument("--start-feed-anew", action="store_true",
                  help="resume the model from --ckpt but start the feed from the beginning "
                       "of --data (its saved position is for data that changed since)")
   return trainers.parse(p, argv)
+
+
+class Stalls:
+  """``--hang-at`` and ``--recompile-at`` (testing), in the job's first start only: a step
+  that blocks for good in a call (it burns nothing: a hang), or one that recompiles for a
+  while (it burns the CPU: slow, not hung), as issue 77's tests need them."""
+
+  def __init__(self, args: argparse.Namespace, me: int, *, say):
+    first = os.environ.get("SIDECAR_RESTART", "0") == "0"
+    self._hang = args.hang_at if first else 0
+    at, seconds, who = (args.recompile_at.split(":") + ["", "", ""])[:3]
+    self._recompile = (int(at), float(seconds)) if (
+        args.recompile_at and first and (not who or int(who) == me)) else None
+    self._say = say
+
+  def check(self, step: int, config) -> None:
+    if self._recompile is not None and step == self._recompile[0]:
+      import jax
+      import jax.numpy as jnp
+      t0, n = time.monotonic(), 0
+      while time.monotonic() - t0 < self._recompile[1]:  # a new program each time
+        n += 1
+        jax.jit(lambda x, n=n: jnp.tanh(x @ x.T + n).sum()).lower(
+            jax.ShapeDtypeStruct((config.batch_size + n, config.d_model), jnp.float32)
+        ).compile()
+      self._say(f"recompiled {n} programs in step {step} ({time.monotonic() - t0:.2f} s)")
+    if step == self._hang:
+      self._say(f"hanging in step {step} (--hang-at) at unix {time.time():.6f}")
+      threading.Event().wait()  # a call that never returns; SIGKILL ends it
 
 
 class Fault:
@@ -145,7 +193,8 @@ def flag_for(e: Exception) -> str | None:
 
 
 def train(args, ckpt, feed, train_step, state, step: int, *, metrics, progress, recovery,
-          fault: Fault, injected: trainers.Faults) -> int:
+          fault: Fault, injected: trainers.Faults, evaluation: trainers.Evaluation,
+          declare, stalls: Stalls, config) -> int:
   """Steps from ``step`` to ``args.steps``, saving every ``--save-every``; returns the last
   step. A step that raises goes to ``recovery`` (None: it ends the run)."""
   pending = None  # (step, loss, first): read once the next step is queued (the device busy)
@@ -156,6 +205,7 @@ def train(args, ckpt, feed, train_step, state, step: int, *, metrics, progress, 
       batch = next(feed)
       fault.check(step + 1)
       injected.check(step + 1)
+      stalls.check(step + 1, config)
       state, loss = train_step(state, batch)
       if pending is not None:  # an asynchronous error of an earlier step surfaces here
         progress.step(pending[0], trainers.write_metric(metrics, *pending))
@@ -171,6 +221,7 @@ def train(args, ckpt, feed, train_step, state, step: int, *, metrics, progress, 
     pending, first = (step, loss, first), False
     if step % args.save_every == 0 or step == args.steps:
       ckpt.save(step, state, data_state=feed.state())
+    evaluation.maybe(step, state, declare)
   if pending is not None:
     progress.step(pending[0], trainers.write_metric(metrics, *pending))
   return step
@@ -207,10 +258,16 @@ def main(argv: list[str] | None = None) -> int:
               ckpt, feed, target=model.abstract_state(config, optimizer, sharding=replicated)
           ) if args.recover_in_process else None
           progress = trainers.Progress(args.progress_every if me == 0 else 0, ckpt.latest_step)
+          # The evaluation is a phase the watchdog is told of (a pause of the steps, no hang).
+          declare = (lambda name: contextlib.nullcontext()) if args.eval_undeclared else (
+              lambda name: ctl.phase(name, budget_s=args.eval_budget))
           step = train(args, ckpt, feed, train_step, state, step, metrics=metrics,
                        progress=progress, recovery=recovery,
                        fault=Fault(args.fail_at, args.fail_times, say=me == 0),
-                       injected=injected)
+                       injected=injected, evaluation=trainers.Evaluation(
+                           args, config, rows, say=say), declare=declare,
+                       stalls=Stalls(args, me, say=lambda line: print(line, flush=True)),
+                       config=config)
       finally:
         ckpt.close()  # waits for the last save to be durable
   except KeyboardInterrupt:  # Ctrl-C: the checkpointer closed, its last save waited for

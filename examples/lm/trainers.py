@@ -32,6 +32,14 @@ def parser(description: str, *, ckpt_help: str) -> argparse.ArgumentParser:
   p.add_argument("--inject-faults", action="store_true",
                  help="testing: a signal of INJECT makes the next step raise (error) or "
                       "never return (hang); benchmarks.goodput sends them")
+  p.add_argument("--eval-every", type=int, default=0, metavar="N",
+                 help="every N steps, evaluate the model on held-out text (the corpus's "
+                      "heldout.bin, from prepare.py): the mean loss of --eval-batches "
+                      "batches, printed; 0: never")
+  p.add_argument("--eval-batches", type=int, default=4, help="batches of an evaluation")
+  p.add_argument("--eval-min-seconds", type=float, default=0.0, metavar="S",
+                 help="testing: an evaluation goes over its batches again until it has "
+                      "taken S seconds (a long evaluation, on the CPU)")
   return p
 
 
@@ -41,6 +49,8 @@ def parse(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namesp
     p.error("--steps and --save-every must be at least 1")
   if args.progress_every < 0:
     p.error(f"--progress-every must be >= 0 seconds, got {args.progress_every}")
+  if args.eval_every < 0 or args.eval_batches < 1 or args.eval_min_seconds < 0:
+    p.error("--eval-every and --eval-min-seconds must be >= 0, --eval-batches >= 1")
   return args
 
 
@@ -57,6 +67,65 @@ def data_parallel(config: Any) -> tuple[Any, Any, Any, Any]:
   train_step = model.make_train_step(config, optimizer, state_sharding=replicated,
                                      batch_sharding=rows)
   return optimizer, train_step, replicated, rows
+
+
+HELDOUT = "heldout.bin"  # pipelines.lm.HELDOUT: beside the corpus, text it never holds
+
+
+class Evaluation:
+  """``--eval-every``: the model's mean loss on held-out text, every N steps.
+
+  The text is the corpus's ``heldout.bin`` (:data:`HELDOUT`, written by
+  ``prepare.py``: sources the corpus never holds); its batches are ``--eval-batches`` of
+  the training batch's shape, windows spread evenly over it, the same every time, their
+  rows split over the devices as a training batch's. Each batch's loss is read on the host
+  (an evaluation works: it is no hang); ``--eval-min-seconds`` goes over them again until
+  that long has passed. :meth:`maybe` runs it after the steps it is due, inside
+  ``declare("eval")`` (a trainer's way to tell its watchdog: ``ctl.phase``).
+  """
+
+  def __init__(self, args: argparse.Namespace, config: Any, rows: Any, *,
+               say: Callable[[str], None]):
+    import jax
+    import model
+    import numpy as np
+    self.every, self._min_s, self._say = args.eval_every, args.eval_min_seconds, say
+    if not self.every:
+      return
+    path = os.path.join(args.data, HELDOUT)
+    try:
+      with open(path, "rb") as f:
+        text = np.frombuffer(f.read(), np.uint8)
+    except FileNotFoundError:
+      raise SystemExit(f"--eval-every: no held-out text at {path}: run examples/lm/prepare.py "
+                       f"--out {args.data} again (it writes {HELDOUT})") from None
+    n, per = config.seq_len + 1, config.batch_size * args.eval_batches
+    if len(text) < n:
+      raise SystemExit(f"--eval-every: {path} holds {len(text)} bytes, fewer than a sequence")
+    starts = np.linspace(0, len(text) - n, per).astype(np.int64)
+    windows = np.stack([text[s:s + n] for s in starts]).astype(np.int32)
+    me, processes = jax.process_index(), jax.process_count()
+    local = config.batch_size // processes
+    self._batches = [
+        jax.make_array_from_process_local_data(
+            rows, windows[b * config.batch_size:][me * local:(me + 1) * local],
+            (config.batch_size, n))
+        for b in range(args.eval_batches)]
+    self._loss = jax.jit(lambda params, tokens: model.loss_fn(config, params, tokens))
+
+  def maybe(self, step: int, state: Any, declare: Callable[[str], Any]) -> None:
+    """Evaluates after step ``step`` if it is due."""
+    if not self.every or step % self.every:
+      return
+    t0 = time.monotonic()
+    with declare("eval"):
+      losses, passes = [], 0
+      while not passes or time.monotonic() - t0 < self._min_s:
+        losses += [float(self._loss(state["params"], b).addressable_data(0))
+                   for b in self._batches]
+        passes += 1
+    self._say(f"eval after step {step}: held-out loss {sum(losses) / len(losses):.4f} "
+              f"({len(self._batches)} batches x {passes}, {time.monotonic() - t0:.2f} s)")
 
 
 def write_metric(metrics: TextIO, step: int, loss: Any, first: bool = False) -> float:

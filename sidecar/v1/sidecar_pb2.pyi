@@ -397,7 +397,7 @@ class StatusResponse(_message.Message):
     def __init__(self, identity: _Optional[_Union[HostIdentity, _Mapping]] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., registry: _Optional[_Iterable[_Union[RegistryEntry, _Mapping]]] = ..., arena_size: _Optional[int] = ..., arena_used: _Optional[int] = ..., arena_blocks: _Optional[int] = ..., workers: _Optional[int] = ..., uptime_s: _Optional[float] = ..., calls: _Optional[int] = ..., feeds: _Optional[_Iterable[_Union[FeedStatus, _Mapping]]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointStatus, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStatus, _Mapping]]] = ..., trainers: _Optional[_Iterable[_Union[TrainerStatus, _Mapping]]] = ..., tenant: _Optional[str] = ..., arena_kept: _Optional[int] = ...) -> None: ...
 
 class TrainerStatus(_message.Message):
-    __slots__ = ("pid", "rank", "restart", "steps", "since_step_s", "slowest_step_s", "stall_timeout_s", "stalled", "ended", "pid_verified", "tenant", "phase", "phase_s", "last_step_unix")
+    __slots__ = ("pid", "rank", "restart", "steps", "since_step_s", "slowest_step_s", "stall_timeout_s", "stalled", "ended", "pid_verified", "tenant", "phase", "cpu_s", "phase_s", "last_step_unix")
     PID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     RESTART_FIELD_NUMBER: _ClassVar[int]
@@ -410,6 +410,7 @@ class TrainerStatus(_message.Message):
     PID_VERIFIED_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
+    CPU_S_FIELD_NUMBER: _ClassVar[int]
     PHASE_S_FIELD_NUMBER: _ClassVar[int]
     LAST_STEP_UNIX_FIELD_NUMBER: _ClassVar[int]
     pid: int
@@ -424,9 +425,10 @@ class TrainerStatus(_message.Message):
     pid_verified: bool
     tenant: str
     phase: str
+    cpu_s: float
     phase_s: float
     last_step_unix: float
-    def __init__(self, pid: _Optional[int] = ..., rank: _Optional[int] = ..., restart: _Optional[int] = ..., steps: _Optional[int] = ..., since_step_s: _Optional[float] = ..., slowest_step_s: _Optional[float] = ..., stall_timeout_s: _Optional[float] = ..., stalled: _Optional[bool] = ..., ended: _Optional[bool] = ..., pid_verified: _Optional[bool] = ..., tenant: _Optional[str] = ..., phase: _Optional[str] = ..., phase_s: _Optional[float] = ..., last_step_unix: _Optional[float] = ...) -> None: ...
+    def __init__(self, pid: _Optional[int] = ..., rank: _Optional[int] = ..., restart: _Optional[int] = ..., steps: _Optional[int] = ..., since_step_s: _Optional[float] = ..., slowest_step_s: _Optional[float] = ..., stall_timeout_s: _Optional[float] = ..., stalled: _Optional[bool] = ..., ended: _Optional[bool] = ..., pid_verified: _Optional[bool] = ..., tenant: _Optional[str] = ..., phase: _Optional[str] = ..., cpu_s: _Optional[float] = ..., phase_s: _Optional[float] = ..., last_step_unix: _Optional[float] = ...) -> None: ...
 
 class TenantStatus(_message.Message):
     __slots__ = ("name", "sessions", "workers", "arena_bytes", "arena_guaranteed", "arena_ceiling", "feeds", "feed_workers", "weight", "waiting", "batches", "saves", "ram_tier_bytes", "ram_tier_quota")

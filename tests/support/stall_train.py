@@ -4,8 +4,9 @@ Run as ``sidecar launch --hosts N --import tests.support.feed_fns --stall-timeou
 python -m tests.support.stall_train DIR HOW HANGS [S [RANK]]``. It takes one batch of the
 ``ids`` feed per step (each step sleeps STEP_S), saves every SAVE_EVERY steps into DIR (the
 goodput ledger's directory), and after step HANG_AT, while ``SIDECAR_RESTART`` is below
-HANGS, does HOW (only process RANK where given: the others wait for it in a long phase,
-``ctl.phase``, never stalled):
+HANGS, does HOW (only process RANK where given: the others go on until it hangs, waiting
+meanwhile in a long phase, ``ctl.phase``, then take one more step and wait for it in a
+blocked call, as in a collective: idle too, but stalled after it):
 
 - ``sleep``: hangs for good in ``time.sleep`` (in :func:`hang_in_sleep`); ``recv``: in a
   socket read that never returns (in :func:`hang_in_recv`), both C calls;
@@ -67,6 +68,7 @@ def main(directory: str, how: str, hangs: str, stall_s: str = "8", rank: str = "
   import numpy as np
 
   restart = int(os.environ.get("SIDECAR_RESTART", "0"))
+  marker = f"{directory}.hanging{restart}"  # the hanging rank's word to the others
   hangs_here = not rank or rank == os.environ.get("SIDECAR_PROCESS_ID", "0")
 
   def emit(kind, **fields):
@@ -101,14 +103,18 @@ def main(directory: str, how: str, hangs: str, stall_s: str = "8", rank: str = "
           emit("step", step=step)
           if step == HANG_AT and restart < int(hangs) and hangs_here:
             emit("hanging", step=step)
+            open(marker, "w").close()
             if how == "slow":
               os.kill(os.getpid(), signal.SIGKILL)
             {"sleep": hang_in_sleep, "recv": hang_in_recv,
              "wakes": hang_until_signalled}[how]()
           elif step == HANG_AT and restart < int(hangs):  # another rank hangs: wait for it
-            emit("waiting", step=step)
             with ctl.phase("eval", budget_s=100 * float(stall_s)):
-              hang_in_sleep()
+              while not os.path.exists(marker):
+                time.sleep(0.01)
+            next(feed)  # one more step, after its last one
+            emit("waiting", step=step)
+            hang_in_sleep()
       ckpt.close()
   finally:
     stop.set()

@@ -24,7 +24,11 @@ Every event is one JSON object, one line of the file::
   sidecar heard from that process, a frame or a feed credit: a SIGKILLed process's
   session ends only once its exit is done, seconds later on an accelerator;
   ``stalled``: where the sidecar found the process stalled, the time of its last step:
-  ``sidecar launch --stall-timeout`` killed it, server/goodput/steps.py).
+  ``sidecar launch --stall-timeout`` killed it, server/goodput/steps.py), ``phase``
+  (written by the sidecar: a long phase the trainer announced, ``name``, ran from ``begin``
+  to ``t``: an evaluation, a large restore) and ``slow`` (written by the sidecar: no step
+  from ``begin`` to ``t``, longer than the stall timeout, and then a step: the trainer
+  worked, or waited for one that did; a hung one is killed, and its time is ``stall``).
 
 The accounting, for each life in order (its span: its start .. its end, a died or finish
 event, else its last event):
@@ -44,6 +48,10 @@ event, else its last event):
   moment the sidecar found it stalled): no step was made, and a launcher killed it; of a
   life still running that its sidecar finds stalled now (``sidecar goodput`` asks it:
   :func:`open_gap`), its last step .. now;
+- ``slow`` and ``phase``: the step time inside the life's ``slow`` and ``phase`` spans (less
+  the blocked time the counters place there), taken out of its step time first, so never
+  ``redone`` nor productive; ``phase`` is split by the phases' names
+  (:attr:`Ledger.phases`);
 - ``restart_gap``: a death (its ``seen``, the last sign of life, where it is later than
   the life's last event; or a life's last event, where its end was never seen) .. the
   next life's start; ``restarts`` counts them;
@@ -62,13 +70,15 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 FILE = "goodput.jsonl"  # in the job's checkpoint directory (the first checkpointer's)
-KINDS = ("start", "first_step", "restore", "save", "mark", "finish", "died")
-CATEGORIES = ("startup", "data_wait", "checkpoint", "restore", "redone", "stall",
-              "restart_gap")
+KINDS = ("start", "first_step", "restore", "save", "mark", "finish", "died", "phase", "slow")
+SIDECARS = ("died", "phase", "slow")  # the kinds only a sidecar writes, never a trainer
+CATEGORIES = ("startup", "data_wait", "checkpoint", "restore", "redone", "stall", "slow",
+              "phase", "restart_gap")
 COUNTERS = ("batches", "data_s", "ckpt_s", "restore_s")
 MAX_LINE = 4096  # bytes of one event's JSON: bigger ones are refused
 MAX_LIFE = 200  # characters of a life's name
 MAX_INT = 2**63  # steps, pids and counters are below it
+MAX_NAME = 64  # characters of a phase's name (core/stall.MAX_NAME)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -101,6 +111,8 @@ class Event:
   pid: int | None = None  # start
   seen: float | None = None  # died: the last time the sidecar heard from the process
   stalled: float | None = None  # died: its last step, where it died stalled
+  begin: float | None = None  # phase, slow: when the span began (``t``: its end)
+  name: str | None = None  # phase: the phase's name (core/stall.Phase's)
 
   def __post_init__(self):
     if self.kind not in KINDS:
@@ -109,7 +121,7 @@ class Event:
     if not isinstance(self.life, str) or not 0 < len(self.life) <= MAX_LIFE:
       raise ValueError(f"an event's life must be a name of 1 to {MAX_LIFE} characters, got "
                        f"{_short(self.life)}")
-    for name in ("t", "start", "seen", "stalled"):
+    for name in ("t", "start", "seen", "stalled", "begin"):
       value = getattr(self, name)
       if value is not None and not _seconds(value):
         raise ValueError(f"an event's {name} must be finite seconds, got {_short(value)}")
@@ -121,12 +133,20 @@ class Event:
                          f"{_short(value)}")
     if self.kind == "start" and self.start is None:
       raise ValueError("a start event needs the process's start time")
+    if self.kind in ("phase", "slow") and (self.begin is None or self.begin > self.t):
+      raise ValueError(f"a {self.kind} event needs its begin, at or before its t")
+    if self.name is not None and (not isinstance(self.name, str)
+                                  or not 0 < len(self.name) <= MAX_NAME):
+      raise ValueError(f"an event's name must be 1 to {MAX_NAME} characters, got "
+                       f"{_short(self.name)}")
+    if self.kind == "phase" and self.name is None:
+      raise ValueError("a phase event needs the phase's name")
 
   def to_dict(self) -> dict[str, Any]:
     out: dict[str, Any] = {"kind": self.kind, "life": self.life, "t": self.t}
     if self.counters is not None:
       out.update(dataclasses.asdict(self.counters))
-    for name in ("step", "start", "pid", "seen", "stalled"):
+    for name in ("step", "start", "pid", "seen", "stalled", "begin", "name"):
       if (value := getattr(self, name)) is not None:
         out[name] = value
     return out
@@ -150,7 +170,8 @@ class Event:
       # Any value: __post_init__ checks each field's type and says what was wrong.
       return cls(kind=d.get("kind"), life=d.get("life"), t=d.get("t"),  # type: ignore[arg-type]
                  counters=counters, step=d.get("step"), start=d.get("start"), pid=d.get("pid"),
-                 seen=d.get("seen"), stalled=d.get("stalled"))
+                 seen=d.get("seen"), stalled=d.get("stalled"), begin=d.get("begin"),
+                 name=d.get("name"))
     except TypeError as e:
       raise ValueError(f"malformed event {_short(d)}: {e}") from None
 
@@ -263,6 +284,8 @@ class Life:
   # the interval between two events that counted it: marks come every 5 s at most),
   # "checkpoint" (ending when save() returned, or the checkpointer closed), "restore".
   blocked: tuple[tuple[float, float, str], ...] = ()
+  # (start, end, "phase" or "slow") of its spans without a step that were what they were.
+  gaps: tuple[tuple[float, float, str], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -286,12 +309,13 @@ class Ledger(Split):
   restarts: int
   lives: tuple[Life, ...]
   skipped_lines: int = 0  # lines of the file that were no event (read_all)
+  phases: dict[str, float] = dataclasses.field(default_factory=dict)  # "phase" by name
 
   def to_dict(self) -> dict[str, Any]:
     """What ``sidecar goodput --json`` prints."""
     return {"wall_s": self.wall_s, "productive_s": self.productive_s, "goodput": self.goodput,
-            "badput_s": dict(self.badput_s), "restarts": self.restarts,
-            "skipped_lines": self.skipped_lines}
+            "badput_s": dict(self.badput_s), "phases_s": dict(self.phases),
+            "restarts": self.restarts, "skipped_lines": self.skipped_lines}
 
 
 @dataclasses.dataclass
@@ -392,6 +416,7 @@ def account(events: Iterable[Event], *, skipped_lines: int = 0) -> Ledger:
   ``skipped_lines``: the lines of the file that were no event, to report."""
   lives = _lives(events)
   totals = dict.fromkeys(CATEGORIES, 0.0)
+  phases: dict[str, float] = {}
   productive, wall, restarts, out = 0.0, 0.0, 0, []
   previous: Life | None = None
   for i, life in enumerate(lives):
@@ -406,6 +431,9 @@ def account(events: Iterable[Event], *, skipped_lines: int = 0) -> Ledger:
     seconds = _split(life, start, end, ended, lives[i + 1:])
     for k in CATEGORIES[:-1]:
       totals[k] += seconds[k]
+    gaps = seconds.pop("_gaps")
+    for name, t in seconds.pop("_phases").items():
+      phases[name] = phases.get(name, 0.0) + t
     productive += seconds["productive"]
     first = life.first("first_step")
     redone_from = seconds.pop("_redone_from")
@@ -413,9 +441,9 @@ def account(events: Iterable[Event], *, skipped_lines: int = 0) -> Ledger:
     previous = Life(life.name, start, None if first is None else min(first.t, end), end, ended,
                     tuple((e.t, e.step or 0) for e in life.saves()), redone_from, seconds,
                     resumed_from=life.resumed_from(), rollbacks=life.rollbacks(),
-                    blocked=life.blocked(start, end), rolled_back=rolled_back)
+                    blocked=life.blocked(start, end), rolled_back=rolled_back, gaps=gaps)
     out.append(previous)
-  return Ledger(wall, productive, totals, restarts, tuple(out), skipped_lines)
+  return Ledger(wall, productive, totals, restarts, tuple(out), skipped_lines, phases)
 
 
 def _split(life: _Life, start: float, end: float, ended: str, later: Sequence[_Life], *,
@@ -454,16 +482,61 @@ def _split(life: _Life, start: float, end: float, ended: str, later: Sequence[_L
       redone_from, from_c = max(kept.t, first_t), kept.counters or first_c
     if redone_from is not None:
       thrown.append((redone_from, from_c, end, last))
-  redone = min(step_s, _union_step_time(thrown))
+  # Spans without steps that were what they were (a phase, slow work): never step time.
+  blocked = life.blocked(start, end)
+  gaps = _gaps(life, first_t, end)
+  by_name: dict[str, float] = {}
+  for a, b, kind, name in gaps:
+    by_name[f"{kind}:{name}"] = by_name.get(f"{kind}:{name}", 0.0) + _unblocked(a, b, blocked)
+  gap_s = min(step_s, sum(by_name.values()))
+  thrown_gap = sum(_unblocked(max(a, ua), min(b, ub), blocked) for a, b, _, _ in gaps
+                   for ua, ub in _union((x[0], x[2]) for x in thrown))
+  redone = max(0.0, min(step_s - gap_s, _union_step_time(thrown) - thrown_gap))
   seconds["redone"] = redone
   seconds["stall"] = 0.0
-  seconds["productive"] = step_s - redone
+  seconds["slow"] = by_name.pop("slow:slow", 0.0)
+  seconds["_phases"] = {k.split(":", 1)[1]: v for k, v in by_name.items()}
+  seconds["_gaps"] = tuple((a, b, kind) for a, b, kind, _ in gaps)
+  seconds["phase"] = sum(seconds["_phases"].values())
+  seconds["productive"] = max(0.0, step_s - gap_s - redone)
   seconds["_redone_from"] = redone_from
   seconds["_rolled_back"] = tuple((a, b) for a, _, b, _ in rolled if b > a)
   return seconds
 
 
 _Span = tuple[float, Counters, float, Counters]  # (from, its counters, to, its counters)
+
+
+def _gaps(life: _Life, begin: float, end: float) -> list[tuple[float, float, str, str]]:
+  """The life's ``phase`` and ``slow`` spans as ``(from, to, kind, name)``, clipped to
+  ``begin`` .. ``end`` (its first step .. its end) and to one another (in order of their
+  start, each from the end of the one before at the earliest)."""
+  out, reach = [], begin
+  for e in sorted((e for e in life.events if e.kind in ("phase", "slow")),
+                  key=lambda e: e.begin or e.t):
+    a, b = max(e.begin or e.t, reach), min(e.t, end)
+    if b > a:
+      out.append((a, b, e.kind, e.name or "slow" if e.kind == "phase" else "slow"))
+      reach = b
+  return out
+
+
+def _union(spans: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+  """``spans`` merged where they overlap."""
+  out: list[tuple[float, float]] = []
+  for a, b in sorted(spans):
+    if out and a <= out[-1][1]:
+      out[-1] = (out[-1][0], max(out[-1][1], b))
+    elif b > a:
+      out.append((a, b))
+  return out
+
+
+def _unblocked(a: float, b: float, blocked: Sequence[tuple[float, float, str]]) -> float:
+  """Seconds of ``a`` .. ``b`` outside the ``blocked`` spans (``Life.blocked``)."""
+  if b <= a:
+    return 0.0
+  return max(0.0, (b - a) - sum(max(0.0, min(b, y) - max(a, x)) for x, y, _ in blocked))
 
 
 def _rolled_back(life: _Life, first_t: float, first_c: Counters, end: float) -> list[_Span]:
@@ -512,7 +585,11 @@ def table(ledger: Ledger) -> str:
   """The ledger as ``sidecar goodput`` prints it: category, seconds, share of wall time."""
   wall = ledger.wall_s
   share = lambda s: f"{100 * s / wall:6.2f}%" if wall > 0 else "      -"
-  rows = [("productive", ledger.productive_s)] + [(k, v) for k, v in ledger.badput_s.items()]
+  rows = [("productive", ledger.productive_s)]
+  for k, v in ledger.badput_s.items():
+    rows.append((k, v))
+    if k == "phase":  # what each phase was, by its name
+      rows += [(f"  {name}", t) for name, t in sorted(ledger.phases.items())]
   lines = [f"{'category':<12} {'seconds':>12} {'share':>8}"]
   lines += [f"{name:<12} {s:12.3f} {share(s):>8}" for name, s in rows]
   lines.append(f"{'wall':<12} {wall:12.3f} {share(wall):>8}")
@@ -536,8 +613,8 @@ def check_events(items: Sequence[Any], *, limit: int) -> list[Event]:
                      f"of {len(items) if isinstance(items, list) else '?'}")
   events = [Event.from_dict(d) for d in items]
   for e in events:
-    if e.kind == "died":
-      raise ValueError("a died event is the sidecar's to write, never a trainer's")
+    if e.kind in SIDECARS:
+      raise ValueError(f"a {e.kind} event is the sidecar's to write, never a trainer's")
     if e.stalled is not None:
       raise ValueError("an event's stalled is the sidecar's to say, never a trainer's")
     if len(e.line()) > MAX_LINE:

@@ -9,7 +9,8 @@ its start (imports, a restore, the first ``jit`` compile, a first save) is never
 a feed's first batch is taken *before* the compile. From then on it is **stalled** once it
 has made no step for :func:`timeout` seconds, the larger of the floor and :data:`MULTIPLE`
 times the slowest step seen since. A slow step seen once (a save, a recompile) so never
-trips it later. A floor of 0 turns it off.
+trips it later; a gap past the timeout that ended in a step (slow work the watchdog let
+run: below) is no step, and raises nothing. A floor of 0 turns it off.
 
 A trainer may announce a long phase (an evaluation, a large restore: :class:`Phase`, sent by
 ``Worker.phase``): while it lasts, the trainer is stalled only after no step for the larger
@@ -17,6 +18,16 @@ of its timeout and the phase's budget (at most :data:`MAX_BUDGET_S`), counted fr
 phase's start; its start and its end count as steps, and its length never enters the
 slowest step. A trainer whose Controller closes is in :data:`CLOSE` (the saves it waits
 for, its exit) until its session ends.
+
+**Busy is not hung** (:func:`judge`). A stalled trainer whose processes burn CPU
+(``core/busy.py``) is **slow**: it is reported (its stacks, and the fix: declare the phase,
+or raise the timeout) and left to work until it has made no step for :data:`SLOW_MULTIPLE`
+times its timeout. One that burns nothing while another trainer of its job works (burns
+CPU, or is in a phase it announced) is **waiting** for it, under the same bound: on several
+hosts, a recompile, a restore or an evaluation on one keeps the others in a collective. One
+that burns nothing while none works is **hung**: stopped at its timeout. Past the bound a
+slow or waiting trainer is hung too (a busy loop that never steps is a livelock), and one
+whose work cannot be read is taken as hung, as before this rule.
 
 An attempt of ``sidecar.elastic.retry`` starts as a trainer does (a restore on the hosts
 left, a new mesh, its first step's recompile): each attempt is the phase :data:`ATTEMPT`
@@ -30,11 +41,13 @@ minutes) is never a stall and a restore that hangs is still found.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from typing import Any
 
 DEFAULT_FLOOR_S = 120.0  # sidecar launch's and sidecar serve's --stall-timeout
 MULTIPLE = 10.0  # a stall lasts at least this many times the slowest step seen
+SLOW_MULTIPLE = 5.0  # a slow (working) or waiting trainer is stopped past this x its timeout
 EXIT_CODE = 124  # sidecar launch's exit code for a stall it may not restart (as timeout(1))
 MAX_BUDGET_S = 24 * 3600.0  # the longest budget a phase may ask for
 MAX_NAME = 64  # characters of a phase's name
@@ -52,6 +65,26 @@ RULE = (f"no step (a feed's batches taken, a save) for the larger of SECONDS and
 def timeout(floor_s: float, slowest_s: float) -> float:
   """Seconds without a step after which a trainer is stalled (0: never)."""
   return 0.0 if floor_s <= 0 else max(floor_s, MULTIPLE * slowest_s)
+
+
+class Verdict(enum.Enum):
+  """What a trainer that made no step for its timeout is (see the module docstring)."""
+  SLOW = "slow"  # it works (burns CPU): reported, left to work until the bound
+  WAITING = "waiting"  # idle while another trainer of its start works: the same bound
+  HUNG = "hung"  # idle while none works, past the bound, or its work cannot be read
+
+
+def judge(since_s: float, timeout_s: float, *, busy: bool | None, others_work: bool
+          ) -> Verdict:
+  """The verdict on a trainer without a step for ``since_s`` seconds, past its
+  ``timeout_s``: ``busy``, whether its own processes work (None: not known);
+  ``others_work``, whether another trainer of its start does (burns CPU, or is in an
+  announced phase)."""
+  if busy is None or since_s > SLOW_MULTIPLE * timeout_s:
+    return Verdict.HUNG
+  if busy:
+    return Verdict.SLOW
+  return Verdict.WAITING if others_work else Verdict.HUNG
 
 
 def check_floor(value: float) -> float:

@@ -42,7 +42,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from sidecar._src.core import errors
+from sidecar._src.core import errors, procfs
 from sidecar._src.server import limits
 from sidecar._src.wire import ipc
 
@@ -61,17 +61,6 @@ def held_by(ticketed: str, client: str | None) -> str:
   return ticketed if client is None else f"{ticketed}@{client}"
 
 
-def start_time(pid: int) -> int | None:
-  """The start time of process ``pid`` (clock ticks after boot, /proc); None if gone."""
-  try:
-    with open(f"/proc/{pid}/stat", "rb") as f:
-      stat = f.read()
-  except OSError:
-    return None
-  fields = stat[stat.rfind(b")") + 2:].split()
-  return int(fields[19]) if len(fields) > 19 else None  # field 22 of proc(5)
-
-
 class Tickets:
   """Issues and checks the tickets of client processes (see the module's docstring)."""
 
@@ -82,7 +71,7 @@ class Tickets:
     return hmac.new(self._key, f"{pid}.{start}".encode(), hashlib.sha256).hexdigest()[:32]
 
   def issue(self, pid: int) -> str | None:
-    start = start_time(pid)
+    start = procfs.start(pid)
     return None if start is None else f"{pid}.{start}.{self._mac(pid, start)}"
 
   def holder(self, ticket: object) -> str:
@@ -94,7 +83,7 @@ class Tickets:
       pid, start = int(pid_text), int(start_text)
     except ValueError:
       return ANONYMOUS
-    if start_time(pid) != start or not hmac.compare_digest(mac, self._mac(pid, start)):
+    if procfs.start(pid) != start or not hmac.compare_digest(mac, self._mac(pid, start)):
       return ANONYMOUS
     return f"pid:{pid}"
 

@@ -210,7 +210,8 @@ class Server:
                                   max_connections=o.max_worker_connections,
                                   on_dead=self._listener_dead, tenancy=self.tenancy,
                                   ledgers=self.ledgers,
-                                  steps=steps_lib.Steps(o.stall_timeout_s))
+                                  steps=steps_lib.Steps(o.stall_timeout_s,
+                                                        on_gap=self.ledgers.gap))
     # The tokens a client may present: the shared one, one per client, or the pool's.
     self.tokens = tokens_holder = tenants_lib.Tokens.of(pool, o.replica_token)
     tokens = tokens_holder.table

@@ -355,7 +355,8 @@ class Service:
             since_step_s=-1.0 if t.since_step_s is None else t.since_step_s,
             slowest_step_s=t.slowest_s, stall_timeout_s=t.timeout_s, stalled=t.stalled,
             ended=t.ended, tenant=t.tenant or "", phase=t.phase or "", phase_s=t.phase_s,
-            last_step_unix=t.last_step_unix or 0.0))
+            last_step_unix=t.last_step_unix or 0.0,
+            cpu_s=-1.0 if t.cpu_s is None else t.cpu_s))
       except (ValueError, TypeError) as e:
         log.error("Status: trainer record %r left out: it cannot be encoded (%s)", t, e)
     return listed

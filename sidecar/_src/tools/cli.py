@@ -108,10 +108,10 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def _stalls(args: argparse.Namespace) -> int:
-  from sidecar._src.tools import watchdog
-  return watchdog.probe(cli_types.addresses(args), token=cli_types.token(args),
-                        timeout=args.timeout, send_stacks=args.stacks,
-                        say=lambda text: print(f"sidecar stalls: {text}", flush=True))
+  from sidecar._src.tools import stalls
+  return stalls.probe(cli_types.addresses(args), token=cli_types.token(args),
+                      timeout=args.timeout, send_stacks=args.stacks,
+                      say=lambda text: print(f"sidecar stalls: {text}", flush=True))
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -369,10 +369,13 @@ def parser() -> argparse.ArgumentParser:
                  "default: JAX only)")
   s.add_argument("--stall-timeout", type=float, metavar="SECONDS",
                  default=stall.DEFAULT_FLOOR_S,
-                 help=f"a trainer is stalled after {stall.RULE}: the launcher prints a "
-                 "\"stall\" line and its Python stacks, kills it and restarts it as a crash "
-                 f"(--max-restarts), else ends the job with exit code {stall.EXIT_CODE}; "
-                 f"0: off (default: {stall.DEFAULT_FLOOR_S:g})")
+                 help=f"a trainer is stalled after {stall.RULE}. Busy is not hung: one "
+                 "whose processes burn CPU is slow (its stacks and the fix, declare the "
+                 "phase: ctl.phase), left to work up to "
+                 f"{stall.SLOW_MULTIPLE:g}x the timeout; one that burns nothing is hung: "
+                 "the launcher prints a \"stall\" line and its Python stacks, kills it and "
+                 f"restarts it as a crash (--max-restarts), else ends the job with exit code "
+                 f"{stall.EXIT_CODE}; 0: off (default: {stall.DEFAULT_FLOOR_S:g})")
   s.add_argument("--save-grace", type=float, default=launch.DEFAULT_SAVE_GRACE, metavar="S",
                  help="once the trainers are stopped (a signal, the job's end), wait up to S "
                       "seconds for the sidecars to write the steps they accepted before "
@@ -399,9 +402,13 @@ def parser() -> argparse.ArgumentParser:
   s = add("stalls", help="exit 1 if a trainer of these sidecars is stalled",
           description="Ask each sidecar which of its trainers are stalled (no step for "
                       "their stall timeout: sidecar serve --stall-timeout, docs/elastic.md) "
-                      "and print a \"stall\" line for each; exit status 1 if any is, else 0 "
-                      "(a sidecar that does not answer is said, and is no stall). The k8s "
-                      "trainer container's liveness probe runs it.")
+                      "and print a \"stall\" line for each; exit status 1 if one is hung, "
+                      "else 0. Busy is not hung: where one is stalled the sidecars are read "
+                      "again half a second later, and one whose process burned CPU meanwhile "
+                      "(slow), or that waits for another that did, fails only at "
+                      f"{stall.SLOW_MULTIPLE:g}x its timeout (a sidecar that does not answer "
+                      "is said, and is no stall). The k8s trainer container's liveness probe "
+                      "runs it.")
   cli_types.add_sidecar_flags(s, timeout=5.0)
   s.add_argument("--stacks", action="store_true",
                  help="also send each stalled trainer $SIDECAR_STACKS_SIGNAL (where this "

@@ -25,7 +25,8 @@ from sidecar._src.tools import cli_format, cli_types
 # What each category looks like on the timeline.
 COLORS = {"productive": "#2ca02c", "startup": "#7f7f7f", "redone": "#d62728",
           "stall": "#8c564b", "restart_gap": "#000000", "save": "#1f77b4",
-          "data_wait": "#ff7f0e", "checkpoint": "#17becf", "restore": "#9467bd"}
+          "data_wait": "#ff7f0e", "checkpoint": "#17becf", "restore": "#9467bd",
+          "slow": "#bcbd22", "phase": "#e377c2"}
 # The life's own time fills its row; the time it was blocked is drawn over its lower half.
 BLOCKED = ("data_wait", "checkpoint", "restore")
 
@@ -85,7 +86,8 @@ def _with_open_gap(args: argparse.Namespace, reading: goodput_lib.Reading,
 
 def bars(ledger: goodput_lib.Ledger) -> list[Bar]:
   """The timeline's spans: each life's startup, steps kept and steps thrown away (by its
-  death, and by each rollback inside it), its stall before it was killed (if it stalled),
+  death, and by each rollback inside it), its phases and slow spans without a step, its
+  stall before it was killed (if it stalled),
   the time it was blocked (data wait, checkpoint, restore: ``BLOCKED``), and the restart
   gap after a life that did not finish (in the row of the life it ends)."""
   t0 = ledger.lives[0].start if ledger.lives else 0.0
@@ -96,7 +98,8 @@ def bars(ledger: goodput_lib.Ledger) -> list[Bar]:
     thrown = stalled if life.redone_from is None else min(life.redone_from, stalled)
     spans = [(life.start, first, "startup"), (first, thrown, "productive"),
              *((a, b, "redone") for a, b in life.rolled_back),  # drawn over the steps kept
-             (thrown, stalled, "redone"), (stalled, life.end, "stall"), *life.blocked]
+             (thrown, stalled, "redone"), (stalled, life.end, "stall"),
+             *life.gaps, *life.blocked]  # a phase, slow work: drawn over the steps
     if row + 1 < len(ledger.lives) and life.ended != "finish":
       spans.append((life.end, ledger.lives[row + 1].start, "restart_gap"))
     out += [Bar(row, a - t0, b - t0, what) for a, b, what in spans if b > a]

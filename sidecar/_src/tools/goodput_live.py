@@ -13,8 +13,7 @@ now, counted by the same rules (``core/goodput.py``):
   step, so the time since that step is ``stall`` (before its timeout it is step time, as
   the launcher's watchdog sees it);
 - a long phase it announced (an evaluation): the phase's span to now, counted as that
-  phase, where the ledger counts phases; else the life is counted up to the phase's start
-  and the rest is said, not counted;
+  phase;
 - otherwise: a mark now; the time since its last event is step time.
 
 Each case is said in one line (to stderr: stdout stays the table or the JSON). A sidecar
@@ -30,9 +29,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from sidecar._src.core import errors, goodput as goodput_lib
-
-# Whether the ledger counts a long phase as what it was (the ``phase`` event, issue 77).
-COUNTS_PHASES = "phase" in goodput_lib.KINDS
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -78,14 +74,11 @@ def open_gap(events: Sequence[goodput_lib.Event], life: goodput_lib.Life,
                f"stall timeout of {t.stall_timeout_s:.1f} s: counted as stall since its "
                "last step")
   if t.phase:
-    begin = now - t.phase_s
-    if COUNTS_PHASES:
-      phase = goodput_lib.Event.from_dict({"kind": "phase", "life": life.life, "t": now,
-                                           "begin": max(begin, life.start), "name": t.phase})
-      return Gap((phase, mark(now)), f"life {life.life} is in phase {t.phase!r} for "
-                                     f"{t.phase_s:.1f} s: counted as that phase")
-    return Gap((mark(begin),), f"life {life.life} is in phase {t.phase!r} for "
-                               f"{t.phase_s:.1f} s: not counted until it ends")
+    phase = goodput_lib.Event.from_dict({"kind": "phase", "life": life.life, "t": now,
+                                         "begin": max(now - t.phase_s, life.start),
+                                         "name": t.phase})
+    return Gap((phase, mark(now)), f"life {life.life} is in phase {t.phase!r} for "
+                                   f"{t.phase_s:.1f} s: counted as that phase")
   last = (f"its last step {t.since_step_s:.1f} s ago" if t.since_step_s >= 0 else
           "before its first completed step")
   limit = (f"its stall timeout {t.stall_timeout_s:.1f} s" if t.stall_timeout_s > 0

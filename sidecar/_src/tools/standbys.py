@@ -5,7 +5,11 @@ started while the job trains, handed the next start's environment at a restart.
 its output relayed as the trainer's, and the check before it takes over that the files it
 imported are still those on disk, and still those a fresh import finds first (an operator's
 fix between two lives must run: where one changed, or a new file now shadows a module it
-imported, a fresh process is started instead, with one line that names it).
+imported, a fresh process is started instead, with one line that names it). At a restart
+that check runs while the old trainers stop (:meth:`Standbys.check_ahead`: on an accelerator
+host a killed trainer takes seconds to give its device back, and a standby's imports are
+thousands of files to look at), not after: a change made in the moments between that check
+and the take is the next restart's to find.
 """
 
 from __future__ import annotations
@@ -62,6 +66,8 @@ class Standbys:
     self._directory = directory
     self._lock, self._say = lock, say
     self._by_rank: dict[int, Standby] = {}
+    self._ahead: dict[int, tuple[list[str] | None, list]] = {}  # rank -> its checks' answers
+    self._checking: threading.Thread | None = None
 
   def start(self, rank: int, environ: dict[str, str], *, start: int, prefix: str,
             out: trainers.Out) -> None:
@@ -78,22 +84,43 @@ class Standbys:
     pump.start()
     self._by_rank[rank] = Standby(proc, pump, report)
 
+  def check_ahead(self) -> None:
+    """Checks every standby's files now, in a thread of its own (the caller meanwhile stops
+    the trainers); :meth:`take` joins it and uses its answers."""
+    self._join_check()
+    standbys = dict(self._by_rank)
+    self._checking = threading.Thread(target=self._check_all, args=(standbys,), daemon=True,
+                                      name="sidecar-launch-standby-check")
+    self._checking.start()
+
+  def _check_all(self, standbys: dict[int, Standby]) -> None:
+    for rank, standby in standbys.items():
+      self._ahead[rank] = (standby_lib.changed_files(standby.report),
+                           standby_lib.shadowed(standby.report))
+
+  def _join_check(self) -> None:
+    if self._checking is not None:
+      self._checking.join()
+      self._checking = None
+
   def take(self, rank: int, environ: dict[str, str]
            ) -> tuple[subprocess.Popen, threading.Thread] | None:
     """``rank``'s standby, told to run with ``environ``, and its output's thread (the
     caller joins it); None where there is none, or it is gone, or a file it imported
     changed since: the caller starts a fresh process."""
     standby = self._by_rank.pop(rank, None)
+    self._join_check()
+    ahead = self._ahead.pop(rank, None)
     if standby is None:
       return None
-    changed = standby_lib.changed_files(standby.report)
+    changed, moved = ahead or (standby_lib.changed_files(standby.report),
+                               standby_lib.shadowed(standby.report))
     if changed:
       more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
       self._say(f"rank {rank}'s standby process imported {changed[0]}{more}, changed since; "
                 "starting a new one, which runs the new code")
       _end(standby)
       return None
-    moved = standby_lib.shadowed(standby.report)
     if moved:
       name, was, now = moved[0]
       more = f" (and {len(moved) - 1} more)" if len(moved) > 1 else ""
@@ -116,7 +143,10 @@ class Standbys:
     return proc, standby.pump
 
   def stop(self, keep: Collection[int] = ()) -> None:
-    """Ends the standby processes of ranks not in ``keep``: they only wait, so at once."""
+    """Ends the standby processes of ranks not in ``keep``: they only wait, so at once
+    (and joins a check under way)."""
+    self._join_check()
+    self._ahead.clear()
     for rank in [r for r in self._by_rank if r not in keep]:
       _end(self._by_rank.pop(rank))
 

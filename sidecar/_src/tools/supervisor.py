@@ -41,12 +41,13 @@ _LOG_TAIL_LINES = 40
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Exit:
   """An event for the supervisor: trainer ``rank`` (beside ``host``) of start ``restart``
-  exited, or signal ``signum`` arrived."""
+  exited, signal ``signum`` arrived, or the watchdog found a stalled trainer (``wake``)."""
   host: int = -1
   code: int = 0
   signum: int = 0
   restart: int = -1
   rank: int = -1
+  wake: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -59,6 +60,8 @@ class _Loss:
   rank: int = -1  # the trainer's, where it is one of several beside the host
   process: int = -1  # a failed trainer's SIDECAR_PROCESS_ID (the watchdog's key)
   why: str = ""  # what happened, where the exit code does not say it (a stall)
+  found: float | None = None  # a stall's: when it was found (monotonic)
+  late_s: float = 0.0  # a stall's: how long after its timeout it was found
 
   def __str__(self) -> str:
     rank = f" (rank {self.rank})" if self.rank >= 0 else ""
@@ -77,9 +80,12 @@ class Supervisor:
     self.command = list(command)
     self.lock = threading.Lock()
     # Stalled trainers, and failures that recur before a first step (tools/watchdog.py).
+    # Each trainer's process group (this start's): the only CPU it reads, and signals.
     self.watchdog = watchdog_lib.Watchdog(
         lambda: {h: cluster.addresses[h] for h in self.hosts}, token=cluster.token,
-        say=self.say, enabled=stall_timeout > 0)
+        say=self.say, enabled=stall_timeout > 0,
+        groups=lambda: {r: p.pid for r, p in dict(self.trainers).items()},
+        wake=lambda: self.events.put(_Exit(wake=True)))
     # With standby (the modules to preload): each rank's next process, imported and
     # waiting (tools/standbys.py).
     self.standbys = None if standby is None else standbys_lib.Standbys(
@@ -183,6 +189,8 @@ class Supervisor:
       try:
         event = self.events.get(timeout=_POLL)
       except queue.Empty:
+        event = _Exit(wake=True)
+      if event.wake:  # a turn, or a stall the watchdog found: judged now
         loss = self._check_sidecars() or self._check_stalls()
       else:
         if event.signum:
@@ -212,18 +220,20 @@ class Supervisor:
     return None
 
   def _check_stalls(self) -> _Loss | None:
-    """A trainer of this start found stalled, its stacks printed and killed (watchdog)."""
+    """A trainer of this start found hung, its stacks printed and killed (watchdog)."""
+    found = time.monotonic()
     if (s := self.watchdog.check(self.trainers, self.restart)) is None:
       return None
     return _Loss(s.host, "trainer", -signal.SIGKILL, stall_lib.EXIT_CODE, process=s.rank,
-                 rank=s.rank if self.procs_per_host > 1 else -1, why=s.why)
+                 rank=s.rank if self.procs_per_host > 1 else -1, why=s.why, found=found,
+                 late_s=s.late_s)
 
   def _restart(self, loss: _Loss) -> bool:
     """Restarts the job without ``loss.host`` if ``elastic`` allows, or in place if
     ``in_place`` or (for a failed trainer) ``max_restarts`` does; False to end it."""
     if self.in_place or (not self.elastic and loss.what == "trainer" and self.max_restarts):
       return self._restart_in_place(loss)
-    lost = time.monotonic()
+    lost = time.monotonic() if loss.found is None else loss.found
     left = [h for h in self.hosts if h != loss.host]
     why = str(loss)
     if not self.elastic or len(left) < self.min_hosts:
@@ -254,6 +264,8 @@ class Supervisor:
     """Stops every trainer, runs ``between`` (what becomes of the lost host's sidecar;
     what it raises stops the relaunch), and starts the trainers of ``hosts`` as the
     job's next start. Returns the seconds of each of the three, the first from ``since``."""
+    if self.standbys is not None:  # their files, looked at while the trainers stop
+      self.standbys.check_ahead()
     self.stop_trainers()
     stopped = time.monotonic()
     between()
@@ -267,7 +279,7 @@ class Supervisor:
     """Restarts every trainer at the job's full size beside the same sidecars, and first
     ``loss.host``'s sidecar if that is what died (a new one, empty, at the same
     addresses: only with ``elastic``)."""
-    lost = time.monotonic()
+    lost = time.monotonic() if loss.found is None else loss.found
     whom = "every process" if self.elastic else "the others"
     if self.restart >= self.max_restarts:
       self.say(f"{loss} after {self.restart} restarts (--max-restarts {self.max_restarts}); "
@@ -298,11 +310,13 @@ class Supervisor:
     except errors.SidecarError as e:
       self.say(f"host {loss.host}'s sidecar did not start again: {e}")
       return False
-    took = f"stopping the trainers {stop:.2f} s, " + (
-        f"the sidecar {sidecar:.2f} s, " if loss.what == "sidecar" else "")
+    took = (f"stopping the trainers {stop:.2f} s" if loss.found is None else
+            f"found {loss.late_s:.2f} s after its timeout; its stacks, the kill and stopping "
+            f"the trainers {stop:.2f} s") + (
+        f", the sidecar {sidecar:.2f} s" if loss.what == "sidecar" else "")
     self.say(f"restart {self.restart}: {loss}; "
              f"{_processes(len(self.hosts) * self.procs_per_host)} on hosts {self.hosts} in place, "
-             f"started {stop + sidecar + spawn:.2f} s after the loss ({took}starting the new "
+             f"started {stop + sidecar + spawn:.2f} s after the loss ({took}, starting the new "
              f"trainers {spawn:.2f} s); {self.max_restarts - self.restart} of --max-restarts "
              f"{self.max_restarts} left")
     return True

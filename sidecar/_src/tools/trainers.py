@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import BinaryIO, Protocol
 
+from sidecar._src.core import procfs
+
 # Python's options that take a value as the next argument (``python -X dev SCRIPT``).
 _PYTHON_VALUE_OPTIONS = frozenset({"-W", "-X", "--check-hash-based-pycs"})
 _ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*")
@@ -105,7 +107,7 @@ def how(returncode: int) -> str:
   return f"exited with code {returncode}"
 
 
-PID_MAX = 1 << 22  # the kernel's largest pid_max (PID_MAX_LIMIT, 64-bit)
+PID_MAX = procfs.PID_MAX  # the kernel's largest pid_max (PID_MAX_LIMIT, 64-bit)
 
 
 def in_group(pid: int, group: int) -> bool:
@@ -113,16 +115,8 @@ def in_group(pid: int, group: int) -> bool:
   started leads its own), as the kernel says (``/proc/<pid>/stat``'s pgrp), never as a
   client claims: a pid that is not an int in 1..:data:`PID_MAX`, not alive, a zombie, or
   in another group (another user's process, the launcher's own) is not."""
-  if (isinstance(pid, bool) or not isinstance(pid, int) or not 0 < pid <= PID_MAX
-      or isinstance(group, bool) or not isinstance(group, int) or not 0 < group <= PID_MAX):
-    return False
-  try:
-    with open(f"/proc/{pid}/stat", "rb") as f:
-      fields = f.read().rsplit(b")", 1)[1].split()  # the name may hold spaces and ")"
-    state, pgrp = fields[0], int(fields[2])  # stat's fields 3 and 5
-  except (OSError, ValueError, IndexError):
-    return False
-  return state not in (b"Z", b"X") and pgrp == group
+  stat = procfs.read(pid) if procfs.valid_pid(group) else None
+  return stat is not None and stat.alive and stat.pgrp == group
 
 
 def signal_group(pgid: int, signum: int) -> None:

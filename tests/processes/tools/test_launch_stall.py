@@ -38,9 +38,10 @@ def _launch(*args: str, timeout: float = 240, hosts: int = 1) -> subprocess.Comp
 ], ids=["sleep-rank-1-of-2-restarted", "recv-standby-twice-ends-the-job"])
 def test_a_hung_trainer_is_found_its_stacks_printed_and_it_is_restarted(
     tmp_path, how, hangs, flags, code, rank):
-  """Rank ``rank`` of ``rank + 1`` hangs (one a host); the others wait for it in a long
-  phase, never stalled: the ledger, process 0's, counts the stall all the same (the
-  launcher tells process 0's sidecar: issue 69)."""
+  """Rank ``rank`` of ``rank + 1`` hangs (one a host); the others take a step after it and
+  wait for it, idle: the one that stopped first is found hung (issue 77: none works); the
+  ledger, process 0's, counts the stall all the same (the launcher tells process 0's
+  sidecar: issue 69)."""
   directory = tmp_path / "ckpt"
   p = _launch("--import", "tests.support.feed_fns", "--stall-timeout", str(STALL_S),
               "--max-restarts", "1", *flags, "--", sys.executable, "-m",

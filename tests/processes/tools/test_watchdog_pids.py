@@ -7,15 +7,19 @@ watchdog reads (its last listing, ``refresh``), and the signals it sends are rec
 (one to a pid <= 0 is never let through: see ``signals``)."""
 
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 from sidecar._src.tools import trainers, watchdog
 from sidecar._src.wire.protocol import pb
+from tests.support.paths import ROOT
+from tests.support.trainers import results
 
-pytestmark = [pytest.mark.processes, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(200)]
 
 
 @pytest.fixture
@@ -67,9 +71,10 @@ class Listed(watchdog.Watchdog):
     self.said: list[str] = []
     super().__init__(lambda: {}, token=None, say=self.said.append)
     self._latest[0] = [first]
+    self._read_at[0] = time.monotonic()  # as read now: its "no step for" grows from here
     self._again = again
 
-  def refresh(self) -> None:
+  def refresh(self, hosts=None) -> None:
     if self._again is not None:
       self._latest[0] = [self._again]
 
@@ -134,3 +139,88 @@ def test_a_trainer_that_stepped_during_its_stacks_is_spared(processes, signals):
   assert dog.said[-1] == ("host 0 rank 0 stepped while its stacks were written (its last "
                           "step 0.4 s ago); not killing it")
   assert all(sig != 9 for _, sig in signals)
+
+
+def _own_pid_namespace() -> str | None:
+  """Why this machine cannot run a PID namespace whose pid counter the test sets (None:
+  it can): ``unshare --pid`` as root, or as a user namespace's root (CI's runners may
+  forbid both)."""
+  for flags in (["--pid"], ["--user", "--map-root-user", "--pid"]):
+    try:
+      done = subprocess.run(["unshare", *flags, "--fork", "--mount-proc", "sh", "-c",
+                             "echo 99 > /proc/sys/kernel/ns_last_pid"], capture_output=True,
+                            timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+      return f"no unshare here ({e})"
+    if done.returncode == 0:
+      return None if flags == ["--pid"] else "user"
+  return f"unshare --pid refused here: {done.stderr.decode(errors='replace').strip()}"
+
+
+def test_a_new_life_with_the_pid_of_a_gone_sessions_process_is_never_killed(tmp_path):
+  """Issue 76, attack 5: 96 sessions claim rank 0 of the next start from processes that
+  then exit, the pid counter is turned back onto their pids, and the next life gets one of
+  them; it attaches 4 s later (its sidecar lists those sessions stalled meanwhile). A
+  session's pid is gone with its process, and the launcher signals only its own trainers'
+  groups: the life runs to its end (on main: SIGKILLed "stalled", exit 124)."""
+  why = _own_pid_namespace()
+  if why not in (None, "user"):
+    pytest.skip(why)
+  user = ["--user", "--map-root-user"] if why == "user" else []
+  done = subprocess.run(
+      ["unshare", *user, "--pid", "--fork", "--mount-proc", sys.executable, "-m",
+       "tests.support.pid_reuse", "attack", str(tmp_path)], cwd=ROOT, capture_output=True,
+      text=True, timeout=180)
+  log = (tmp_path / "launch.log").read_text()
+  assert done.returncode == 0, done.stdout + done.stderr + log
+  got = results(done.stdout)[0]
+  assert got["reused"], got  # the scenario: the next life has a pid of a gone session's
+  assert got["code"] == 0 and got["done"], log
+  assert "stalled" not in log.replace("lists rank 0 stalled", ""), log
+
+
+BUSY = "while True: pass"
+IDLE = "import time; time.sleep(60)"
+ARMED = ("import faulthandler, signal, subprocess, sys, time\n"
+         "faulthandler.register(signal.SIGUSR2, all_threads=True)\n"
+         "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+         "print('ready', flush=True)\n{body}")
+
+
+def _trainer(body: str) -> subprocess.Popen:
+  """A trainer as the launcher starts one (leading its own group), armed for its stacks, with
+  a child in its group that is not."""
+  p = subprocess.Popen([sys.executable, "-c", ARMED.format(body=body)],
+                       stdout=subprocess.PIPE, start_new_session=True)
+  assert p.stdout.readline() == b"ready\n"
+  return p
+
+
+@pytest.mark.parametrize("body, killed", [(BUSY, False), (IDLE, True)], ids=["busy", "idle"])
+def test_busy_is_slow_and_idle_is_hung_and_the_stacks_go_to_who_catches_them(
+    signals, body, killed):
+  """Issue 77 at the watchdog: a stalled trainer whose group burns CPU is slow (said once,
+  its stacks asked, left alone); an idle one is hung and its group killed. The stacks
+  signal goes to the group's members the kernel says catch it, never a listed pid."""
+  trainer = _trainer(body)
+  try:
+    dog = Listed(_stalled(trainer.pid))
+    dog._groups = lambda: {0: trainer.pid}
+    for _ in range(3):  # readings of its CPU over more than half a second
+      dog._sampled = -1.0
+      dog.sample()
+      time.sleep(0.3)
+    found = dog.check({0: trainer}, 0)
+    assert (found is not None) == killed
+    stacks = [pid for pid, sig in signals if sig == signal.SIGUSR2]
+    assert stacks == [trainer.pid]  # its child, in its group, does not catch it
+    if killed:
+      assert trainer.wait(timeout=10) == -9 and "and idle" in dog.said[0]
+      assert signals[-1] == (-trainer.pid, signal.SIGKILL)
+    else:
+      assert trainer.poll() is None and "is slow" in dog.said[0] and "ctl.phase" in dog.said[0]
+      assert dog.check({0: trainer}, 0) is None and len(dog.said) == 1  # said once
+  finally:
+    trainer.kill()
+    trainer.wait()
+    trainers.signal_group(trainer.pid, signal.SIGKILL)

@@ -74,9 +74,9 @@ def test_a_record_that_cannot_be_encoded_never_fails_status(make_server, caplog)
   with sock:
     assert "session" in reply, reply
     # A record no attach makes any more (refused above), as an older sidecar kept it.
-    server.workers.steps.attach("w-broken", pid=2**63, rank=7)
+    server.workers.steps.attach("w-broken", pid=0, rank=2**40)
     with caplog.at_level(logging.ERROR, logger="sidecar._src.server.service"):
       listed = trainers(server)
     assert [(t.pid, t.rank) for t in listed] == [(os.getpid(), 3)]
-    assert "Status: trainer record" in caplog.text and "rank=7" in caplog.text
+    assert "Status: trainer record" in caplog.text and f"rank={2**40}" in caplog.text
     assert "cannot be encoded" in caplog.text

@@ -56,7 +56,8 @@ def test_a_clean_run_is_startup_then_productive_steps():
   check_sum(ledger)
   assert ledger.wall_s == 110.0
   assert ledger.badput_s == {"startup": 8.0, "data_wait": 5.0, "checkpoint": 3.0,
-                             "restore": 0.0, "redone": 0.0, "stall": 0.0, "restart_gap": 0.0}
+                             "restore": 0.0, "redone": 0.0, "stall": 0.0, "slow": 0.0,
+                             "phase": 0.0, "restart_gap": 0.0}
   assert ledger.productive_s == pytest.approx(94.0)
   assert ledger.restarts == 0
   assert ledger.goodput == pytest.approx(94.0 / 110.0)
@@ -410,3 +411,43 @@ def test_a_trainer_never_says_it_is_stalled():
   with pytest.raises(ValueError, match="stalled is the sidecar's to say"):
     goodput.check_events([{"kind": "mark", "life": "a", "t": 1.0, "batches": 1,
                            "stalled": 0.5}], limit=10)
+
+
+def test_a_phase_and_a_slow_gap_are_what_they_were_never_steps():
+  """Issue 77: an evaluation the trainer announced counts under its name, a gap without a
+  step past the stall timeout that ended in a step as ``slow``; both out of step time, so
+  neither productive nor re-done where the life dies after them."""
+  events = life("a", 0.0, first=10.0, saves=[(50.0, 50, 1.0)], end=110.0, ended="finish",
+                data=5.0, ckpt=3.0, first_blocked=(2.0, 0.0, 0.0))
+  events[-1:-1] = [Event("phase", "a", 30.0, begin=20.0, name="eval"),
+                   Event("slow", "a", 68.0, begin=60.0)]
+  ledger = goodput.account(events)
+  check_sum(ledger)
+  assert ledger.badput_s["phase"] == pytest.approx(10.0) and ledger.phases == {"eval": 10.0}
+  assert ledger.badput_s["slow"] == pytest.approx(8.0)
+  assert ledger.productive_s == pytest.approx(94.0 - 18.0)
+  assert "  eval" in goodput.table(ledger) and ledger.to_dict()["phases_s"] == {"eval": 10.0}
+  died = life("b", 0.0, first=10.0, saves=[(50.0, 50, 0.0)], end=110.0)
+  died[-1:-1] = [Event("slow", "b", 90.0, begin=70.0)]
+  ledger = goodput.account(died)
+  check_sum(ledger)
+  assert ledger.badput_s["slow"] == pytest.approx(20.0)
+  assert ledger.badput_s["redone"] == pytest.approx(60.0 - 20.0)  # 50 .. 110, less the gap
+
+
+@pytest.mark.parametrize("kind", ["phase", "slow", "died"])
+def test_a_trainer_never_writes_what_the_sidecar_saw(kind):
+  d = {"kind": kind, "life": "a", "t": 10.0, "begin": 5.0, "name": "eval"}
+  with pytest.raises(ValueError, match=f"a {kind} event is the sidecar's to write"):
+    goodput.check_events([d], limit=10)
+
+
+@pytest.mark.parametrize("d, match", [
+    ({"kind": "slow", "life": "a", "t": 10.0}, "needs its begin"),
+    ({"kind": "slow", "life": "a", "t": 10.0, "begin": 11.0}, "needs its begin"),
+    ({"kind": "phase", "life": "a", "t": 10.0, "begin": 1.0}, "needs the phase's name"),
+    ({"kind": "phase", "life": "a", "t": 10.0, "begin": 1.0, "name": "x" * 65}, "1 to 64"),
+], ids=["no-begin", "begin-after-t", "no-name", "long-name"])
+def test_a_span_event_is_checked(d, match):
+  with pytest.raises(ValueError, match=match):
+    Event.from_dict(d)

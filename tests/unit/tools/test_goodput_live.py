@@ -43,21 +43,11 @@ def test_a_gap_within_its_timeout_is_step_time_to_now():
                     "20.0 s): counted to now")
 
 
-@pytest.mark.skipif(not goodput_live.COUNTS_PHASES,
-                    reason="the ledger counts phases with issue 77's phase event")
 def test_an_open_phase_is_counted_as_that_phase():
   g = gap(trainer(phase="eval", phase_s=30.0, since_step_s=30.0, last_step_unix=70.0))
   ledger = goodput.account([*EVENTS, *g.events])
   assert ledger.wall_s == 100.0 and ledger.badput_s["phase"] == pytest.approx(30.0)
   assert g.said == "life 42@0.0 is in phase 'eval' for 30.0 s: counted as that phase"
-
-
-@pytest.mark.skipif(goodput_live.COUNTS_PHASES, reason="the ledger counts phases")
-def test_an_open_phase_is_not_counted_as_steps_where_the_ledger_counts_no_phase():
-  g = gap(trainer(phase="eval", phase_s=30.0, since_step_s=30.0, last_step_unix=70.0))
-  ledger = goodput.account([*EVENTS, *g.events])
-  assert ledger.wall_s == 70.0  # up to the phase's start: none of it is productive
-  assert g.said == "life 42@0.0 is in phase 'eval' for 30.0 s: not counted until it ends"
 
 
 @pytest.mark.parametrize("kw", [dict(pid=43), dict(pid_verified=False), dict(ended=True)],

@@ -1,11 +1,11 @@
-"""``sidecar stalls --stacks`` (tools/watchdog.py's probe) acts only on a pid it may: one the
+"""``sidecar stalls --stacks`` (tools/stalls.py's probe) acts only on a pid it may: one the
 sidecar had from the kernel, of the caller's own tenant, and named in this process's boot
 and PID namespace (issue 69, item 2). Tier 1: Status responses built here."""
 
 import pytest
 
 from sidecar._src.arena import shm
-from sidecar._src.tools import watchdog
+from sidecar._src.tools import stalls
 from sidecar._src.wire import ipc
 from sidecar._src.wire.protocol import pb
 
@@ -24,8 +24,8 @@ def status(*, tenant="", trainer_tenant="", pid=4321, verified=True, boot=HERE[0
 
 def test_a_verified_pid_of_the_callers_tenant_here_may_be_signalled():
   assert HERE[0] and HERE[1], "this test needs /proc (Linux)"
-  assert watchdog._unsignalled(*status(), HERE) is None
-  assert watchdog._unsignalled(*status(tenant="alice", trainer_tenant="alice"), HERE) is None
+  assert stalls._unsignalled(*status(), HERE) is None
+  assert stalls._unsignalled(*status(tenant="alice", trainer_tenant="alice"), HERE) is None
 
 
 @pytest.mark.parametrize("kw,why", [
@@ -42,5 +42,5 @@ def test_a_verified_pid_of_the_callers_tenant_here_may_be_signalled():
 ], ids=["unverified", "unverified-0", "negative", "huge", "another-tenant", "operator",
         "another-boot", "another-pid-namespace", "namespace-unknown"])
 def test_no_signal_where_the_pid_is_not_verified_ours_and_here(kw, why):
-  said = watchdog._unsignalled(*status(**kw), HERE)
+  said = stalls._unsignalled(*status(**kw), HERE)
   assert said is not None and why in said

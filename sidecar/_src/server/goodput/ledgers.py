@@ -367,6 +367,28 @@ class Ledgers:
                "of its start stalled)", book.life, last_step, extra={"session": session})
       return True
 
+  def gap(self, session: str, kind: str, name: str | None, begin: float, end: float
+          ) -> None:
+    """Worker ``session``'s trainer spent ``begin`` .. ``end`` (Unix seconds) without a
+    step, as ``kind``: a ``phase`` it announced (``name``), or ``slow`` (past its stall
+    timeout, then a step: ``steps.py``): written to its ledger, if it keeps one here,
+    within its tenant's bound (a trainer that flips phases without end is not a flood of
+    lines: what passes the bound is dropped, and said at most every few seconds)."""
+    with self._lock:
+      book = self._books.get(session)
+      if book is None or book.finished or book.life is None or self._closed:
+        return
+      book.reported = None  # it stepped (or ended a phase): a stall reported is not its death
+      try:
+        event = goodput_lib.Event(kind, book.life, end, begin=min(begin, end), name=name)
+        self._append(book, [event])
+      except (ValueError, OSError, errors.SidecarError) as e:
+        now = self._monotonic()
+        if now - book.warned >= _WARN_EVERY_S:
+          book.warned = now
+          log.warning("goodput: a %s span of %s not written (%s)", kind, book.life, e,
+                      extra={"session": session})
+
   def ended(self, session: str, seen: float | None = None, *,
             stalled: float | None = None) -> None:
     """Worker ``session`` ended: a bound one that did not finish died now, last heard

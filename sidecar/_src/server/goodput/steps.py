@@ -14,6 +14,11 @@ batch 1, then compiles; a device-prefetch thread takes several). So the step sig
 before the trainer's ``startup`` phase ends are counted and heard, never timed; a
 trainer that never says so (a Worker used alone) is never stalled.
 
+Where its clock runs, what it did between steps goes to the goodput ledger as it was
+(``on_gap``: issue 77): a long phase it announced, from its start to its end, and a gap
+without a step longer than its stall timeout that ended in a step, ``slow`` (it worked,
+or waited for a trainer that did: a hung one is killed, and its time is ``stall``).
+
 ``sidecar launch`` polls it in ``Status.trainers`` (``tools/watchdog.py``), the k8s
 trainer container's liveness probe and ``sidecar slurm``'s jobs the same way
 (``sidecar stalls``), and ``/metrics`` carries each trainer's seconds since its last
@@ -23,8 +28,12 @@ last step (``stall``, ``core/goodput.py``). Ended sessions stay listed for
 can still tell whether it made a step.
 
 What is listed crosses to the launcher as :class:`Trainer`; session names never do (they
-are capabilities). A trainer's pid is the one the kernel gave at attach (``workers.py``),
-0 where it gave none: only a nonzero pid is verified, and only one may be signalled.
+are capabilities). A trainer's pid is the one the kernel gave when its connection was
+accepted (``workers.py``), with that process's start: it is listed only while that very
+process lives (``core/procfs.same``), 0 where the kernel gave none or the process is gone.
+A session outlives its process where another holds its connection (a child, a descriptor
+passed on); the pid the kernel then gives the next process is never this session's
+(issue 76, attack 5). Only a nonzero pid is verified, and only one may be signalled.
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from sidecar._src.core import stall
+from sidecar._src.core import procfs, stall
 
 KEEP_ENDED_S = 60.0
 MAX_ENDED = 64
@@ -44,7 +53,7 @@ MAX_ENDED = 64
 @dataclasses.dataclass(frozen=True, slots=True)
 class Trainer:
   """One worker session's progress, as ``Status.trainers`` lists it."""
-  pid: int  # the kernel's at attach (the worker socket's peer), 0: unverified
+  pid: int  # the kernel's at attach (the worker socket's peer) while it lives, else 0
   rank: int  # its SIDECAR_PROCESS_ID (-1: not given)
   restart: int  # its SIDECAR_RESTART (-1: not given)
   tenant: str | None
@@ -57,6 +66,7 @@ class Trainer:
   phase: str | None = None  # the long phase it announced, while it lasts
   phase_s: float = 0.0  # seconds since that phase began (0: none)
   last_step_unix: float | None = None  # when its last step was (None: its clock waits)
+  cpu_s: float | None = None  # CPU seconds its process used (None: its pid is not listed)
 
 
 @dataclasses.dataclass
@@ -66,6 +76,7 @@ class _Track:
   restart: int
   tenant: str | None
   attached: float
+  pid_start: int | None = None  # its process's start (clock ticks after boot): who pid is
   seen: float | None = None  # last heard from (a frame, a feed credit)
   steps: int = 0
   batches: int = 0  # the most its ledger's marks counted
@@ -76,7 +87,8 @@ class _Track:
   slowest: float = 0.0
   ended: float | None = None  # monotonic
   phase: stall.Phase | None = None  # the long phase it is in
-  phase_since: float | None = None  # monotonic, when that phase began
+  phase_since: float | None = None  # monotonic, when that phase began (its length, Status)
+  phase_began: float = 0.0  # when it began (Unix seconds: the ledger's span)
 
   def limit(self, floor_s: float) -> float:
     """Its stall timeout now: the rule's, or its phase's budget where larger."""
@@ -98,27 +110,36 @@ class Ended:
   stalled: float | None
 
 
+# on_gap(session, kind, name, begin, end): "phase" (its name) or "slow" (None), Unix seconds.
+OnGap = Callable[[str, str, "str | None", float, float], None]
+
+
 class Steps:
   """The step progress of this sidecar's worker sessions; thread-safe.
 
   Args:
     floor_s: the stall timeout's floor (0: no session is ever stalled).
     clock: Unix seconds; ``monotonic``: gaps and ages.
+    on_gap: told of each phase that ended and each slow gap (the goodput ledger's
+      ``Ledgers.gap``), outside the lock.
   """
 
   def __init__(self, floor_s: float = stall.DEFAULT_FLOOR_S, *,
                clock: Callable[[], float] = time.time,
-               monotonic: Callable[[], float] = time.monotonic):
+               monotonic: Callable[[], float] = time.monotonic, on_gap: OnGap | None = None):
     self.floor_s = stall.check_floor(floor_s)
     self._clock, self._monotonic = clock, monotonic
+    self._on_gap = on_gap
     self._lock = threading.Lock()
     self._live: dict[str, _Track] = {}
     self._ended: collections.deque[_Track] = collections.deque(maxlen=MAX_ENDED)
 
-  def attach(self, session: str, *, pid: int, rank: int = -1, restart: int = -1,
-             tenant: str | None = None) -> None:
+  def attach(self, session: str, *, pid: int, pid_start: int | None = None, rank: int = -1,
+             restart: int = -1, tenant: str | None = None) -> None:
+    """``session`` attached from process ``pid``, which started at ``pid_start``
+    (``core/procfs.py``; None: unknown, so its pid is never listed)."""
     with self._lock:
-      self._live[session] = _Track(pid, rank, restart, tenant, self._clock())
+      self._live[session] = _Track(pid, rank, restart, tenant, self._clock(), pid_start)
 
   def attached(self, session: str) -> float | None:
     """When ``session`` attached (Unix seconds); None: no such session."""
@@ -150,6 +171,7 @@ class Steps:
     the gap from its first save is then its slowest step, so a save interval above the
     floor is never a stall)."""
     now, wall = self._monotonic(), self._clock()
+    gap = None
     with self._lock:
       track = self._live.get(session)
       if track is None:
@@ -167,14 +189,27 @@ class Steps:
         track.touch(now, wall)  # and the gap from it is a step: its saves are its steps
         track.slowest = max(track.slowest, now - (track.first_save or now))
       elif track.last is not None:  # its clock runs
-        track.slowest = max(track.slowest, now - track.last)
+        limit = track.limit(self.floor_s)
+        if track.phase is None and limit and now - track.last > limit and (
+            track.last_wall is not None):
+          # Past its timeout, then a step: slow work (the watchdog left it to work), not a
+          # step: it never raises the timeout, or the next hang would be found that late.
+          gap = ("slow", None, track.last_wall, wall)
+        else:
+          track.slowest = max(track.slowest, now - track.last)
         track.last, track.last_wall = now, wall
+    self._tell(session, gap)
+
+  def _tell(self, session: str, gap: tuple[str, str | None, float, float] | None) -> None:
+    if gap is not None and self._on_gap is not None:
+      self._on_gap(session, *gap)
 
   def phase(self, session: str, phase: stall.Phase) -> None:
     """``session``'s trainer said ``phase`` begins or ends (``core/stall.py``): the end of
     :data:`stall.STARTUP` starts its clock; a long phase's start and end restart it,
     and its budget holds while it lasts."""
     now, wall = self._monotonic(), self._clock()
+    gap = None
     with self._lock:
       track = self._live.get(session)
       if track is None:
@@ -185,12 +220,16 @@ class Steps:
         return
       if phase.ends and (track.phase is None or track.phase.name != phase.name):
         return  # not the phase it is in: nothing ends
+      if track.phase is not None and track.last is not None:  # it ends (or another begins)
+        gap = ("phase", track.phase.name, track.phase_began, wall)
       track.phase = None if phase.ends else phase
       track.phase_since = None if phase.ends else now
+      track.phase_began = wall
       if track.last is not None:
         track.touch(now, wall)
       else:
         track.seen = wall
+    self._tell(session, gap)
 
   def end(self, session: str) -> Ended | None:
     """``session`` ended: what its ledger's death needs (None: no such session)."""
@@ -221,7 +260,11 @@ class Steps:
 def _listed(t: _Track, now: float, floor_s: float) -> Trainer:
   since = None if t.last is None else (t.ended or now) - t.last
   limit = t.limit(floor_s)
-  return Trainer(pid=t.pid, rank=t.rank, restart=t.restart, tenant=t.tenant, steps=t.steps,
+  stat = procfs.read(t.pid) if t.pid and t.pid_start is not None else None
+  if stat is None or not stat.alive or stat.start != t.pid_start:
+    stat = None  # its process is gone (or never known): no pid of its own any more
+  return Trainer(pid=0 if stat is None else t.pid, cpu_s=None if stat is None else stat.cpu_s,
+                 rank=t.rank, restart=t.restart, tenant=t.tenant, steps=t.steps,
                  since_step_s=since, slowest_s=t.slowest, timeout_s=limit,
                  stalled=bool(limit) and since is not None and since > limit,
                  ended=t.ended is not None,

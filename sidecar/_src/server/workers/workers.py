@@ -10,11 +10,10 @@ attached worker, carries one stream of descriptors: the fast path for batches,
 with no TCP and no HTTP/2 in the way. A ``calls`` connection carries one worker's
 unary calls, one after another (the fast path for ``ctl.call``).
 
-A worker's pid is the kernel's: the socket's peer credentials (``SO_PEERCRED``) at
-attach, never the ``pid`` its attach message claims (issue 69). The claim is only
-checked (an impossible pid is refused) and logged. Where the kernel gives no pid (a
-trainer in another PID namespace), the session's pid is 0: unverified, listed as such in
-``Status.trainers``, and never signalled (``tools/watchdog.py``).
+A worker's pid is the kernel's, with its process's start, taken as its connection is
+accepted (``connector.py``), never the ``pid`` its attach message claims; where the kernel
+gives none (a trainer in another PID namespace), or once that process is gone, the session's
+pid is listed as 0: unverified, and never signalled (``tools/watchdog.py``).
 """
 
 from __future__ import annotations
@@ -42,7 +41,7 @@ from sidecar._src.server.calls.stream_runner import StreamRunner
 from sidecar._src.server.goodput import ledgers as ledgers_lib, steps as steps_lib
 from sidecar._src.server.limits import check_prefetch
 from sidecar._src.server.tenancy import tenants as tenants_lib
-from sidecar._src.server.workers import conns, session_blocks
+from sidecar._src.server.workers import connector, conns, session_blocks
 from sidecar._src.wire import codec, feed_batch, ipc, protocol
 from sidecar._src.wire.protocol import pb
 
@@ -204,6 +203,7 @@ class WorkerListener:
   def _serve(self, conn: socket.socket) -> None:
     session = None
     counts = contextlib.ExitStack()  # the tenant's count of connections, once taken
+    who = connector.Connector.of(conn)  # who connected, before it can say anything
     try:
       conn.settimeout(FIRST_FRAME_S)
       with conns.own_io():
@@ -216,10 +216,9 @@ class WorkerListener:
       if message.get("op") != "attach":
         raise errors.InvalidArgumentError(
             f"first message must be attach, got {message.get('op')!r}")
-      cred = ipc.ucred_or_none(conn)  # who the kernel says attaches
-      tenant = self._attach_tenant(message, cred)
-      claimed = _claimed_pid(message.get("pid"))  # InvalidArgumentError: impossible
-      pid = _verified_pid(cred)
+      tenant = self._attach_tenant(message, who.uid)
+      claimed = connector.claimed_pid(message.get("pid"))  # InvalidArgumentError: impossible
+      pid = who.pid
       replica_link = tenants_lib.ReplicaAttach.parse(message.get("token")) is not None
       counts.enter_context(self._counted(tenant))  # ResourceExhaustedError: all taken
       reply = self._hello(message)  # raises VersionMismatchError on skew
@@ -232,7 +231,7 @@ class WorkerListener:
         if replica_link:
           self._replica_sessions.add(session)
         self._pids[session] = pid
-      self.steps.attach(session, pid=pid, tenant=tenant,
+      self.steps.attach(session, pid=pid, pid_start=who.start, tenant=tenant,
                         rank=_small_int(message.get("rank")),
                         restart=_small_int(message.get("restart")))
       # Its tenant's arena, and no other: what it maps is all it can ever see.
@@ -244,7 +243,7 @@ class WorkerListener:
       with conns.own_io():
         ipc.send(conn, reply, fds=(arena.fd,))
       log.info("worker pid %s attached as %s%s", pid or "unverified", session,
-               _claim_note(claimed, pid), extra={"session": session})
+               connector.claim_note(claimed, pid), extra={"session": session})
       # Whether it reads {"queued": place} frames while an alloc waits its turn (a pool).
       frames = message.get("queue") is True
       while True:
@@ -278,7 +277,7 @@ class WorkerListener:
       with self._lock:
         self._connections.pop(conn, None)
 
-  def _attach_tenant(self, message: dict[str, Any], cred: ipc.Ucred | None) -> str | None:
+  def _attach_tenant(self, message: dict[str, Any], uid: int | None) -> str | None:
     """The tenant an attaching worker is: its token's (or its user's), or the one another
     sidecar's replica link names with the replica token (``tenants.ReplicaAttach``).
 
@@ -287,7 +286,7 @@ class WorkerListener:
         replica token is not this sidecar's, or whose tenant is none of the pool's.
     """
     # The user the kernel says the worker runs as.
-    return self._tenancy.worker_tenant(message.get("token"), None if cred is None else cred.uid)
+    return self._tenancy.worker_tenant(message.get("token"), uid)
 
   def _check_not_replica_link(self, session: str, what: str) -> None:
     """PermissionDeniedError where ``session`` is another sidecar's replica link: it maps
@@ -563,38 +562,3 @@ def _small_int(value: Any) -> int:
   """An attach message's rank or restart: an int >= 0, else -1 (not given)."""
   ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31
   return value if ok else -1
-
-
-def _claimed_pid(value: Any) -> int | None:
-  """The pid an attach message claims, checked (None: it claims none). Only logged: the
-  session's pid is the kernel's (:func:`_verified_pid`).
-
-  Raises:
-    InvalidArgumentError: no process can have it (negative, 0, past any kernel's limit,
-      not an int), naming the value.
-  """
-  if value is None:
-    return None
-  if isinstance(value, int) and not isinstance(value, bool) and 0 < value < ipc.PID_LIMIT:
-    return value
-  raise errors.InvalidArgumentError(
-      f"attach: pid {value!r:.40} is no process's (a pid is an int from 1 to "
-      f"{ipc.PID_LIMIT - 1}); the sidecar reads a worker's pid from the kernel and never acts "
-      "on the one it claims: send os.getpid(), or no pid (sidecar's Worker sends its own)")
-
-
-def _claim_note(claimed: int | None, pid: int) -> str:
-  """What the attach log line adds where the worker claimed another pid than the kernel's."""
-  if claimed is None or claimed == pid:
-    return ""
-  if pid:
-    return f" (it claimed pid {claimed}: another PID namespace's, or false; ignored)"
-  return f" (it claimed pid {claimed}; the kernel gives none: another PID namespace)"
-
-
-def _verified_pid(cred: ipc.Ucred | None) -> int:
-  """The attaching process's pid as the kernel says (``SO_PEERCRED``), in this sidecar's
-  PID namespace; 0 where it does not say (a process of another PID namespace)."""
-  if cred is None or not 0 < cred.pid < ipc.PID_LIMIT:
-    return 0
-  return cred.pid

@@ -346,3 +346,27 @@ def test_a_finished_life_is_not_marked_by_a_stall_report(ledgers, tmp_path):
   assert not ledgers.stalled("w-1", 80.0, 90.0)
   ledgers.ended("w-1")
   assert [e.kind for e in goodput_core.read(str(tmp_path))] == ["start", "finish"]
+
+
+def test_a_phase_and_a_slow_span_are_written_to_a_bound_ledger_only(ledgers, tmp_path):
+  """Issue 77: what the stall rule saw between steps (``steps.py``'s ``on_gap``)."""
+  ledgers.gap("w-none", "slow", None, 10.0, 20.0)  # no ledger bound: nothing, no error
+  ledgers.receive("w-1", {"directory": str(tmp_path),
+                         "events": [event("start", start=1.0, pid=7)]}, tenant=None)
+  ledgers.gap("w-1", "phase", "eval", 20.0, 30.0)
+  ledgers.gap("w-1", "slow", None, 40.0, 48.0)
+  got = goodput_core.read(str(tmp_path))[1:]
+  assert [(e.kind, e.name, e.begin, e.t) for e in got] == [
+      ("phase", "eval", 20.0, 30.0), ("slow", None, 40.0, 48.0)]
+
+
+def test_spans_past_the_bound_are_dropped_not_raised(tmp_path, caplog):
+  out = ledgers_lib.Ledgers(lambda d, t: d, bound=lambda t: ledgers_lib.Bound(200, 1))
+  out.receive("w-1", {"directory": str(tmp_path), "events": [event("start", start=1.0, pid=7)]},
+              tenant=None)
+  for i in range(50):  # a trainer that flips phases without end
+    out.gap("w-1", "phase", "eval", 2.0 + i, 2.5 + i)
+  written = [e for e in goodput_core.read(str(tmp_path)) if e.kind == "phase"]
+  assert 0 < len(written) < 5
+  assert caplog.text.count("not written") == 1
+  out.close()

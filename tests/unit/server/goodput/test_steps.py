@@ -3,9 +3,11 @@
 Tier 1: a Steps with hand-moved clocks; no server.
 """
 
+import os
+
 import pytest
 
-from sidecar._src.core import stall
+from sidecar._src.core import procfs, stall
 from sidecar._src.server.goodput import steps
 
 pytestmark = pytest.mark.unit
@@ -79,7 +81,8 @@ def test_a_trainer_that_saves_less_often_than_the_floor_is_not_stalled_between_s
 
 def test_a_trainer_is_stalled_after_the_floor_without_a_step(clock):
   s = make(clock)
-  s.attach("w-1", pid=7, rank=3, restart=1, tenant="alice")
+  me = os.getpid()
+  s.attach("w-1", pid=me, pid_start=procfs.start(me), rank=3, restart=1, tenant="alice")
   started(s)
   for _ in range(5):
     clock["t"] += 0.5
@@ -88,7 +91,7 @@ def test_a_trainer_is_stalled_after_the_floor_without_a_step(clock):
   assert not s.trainers()[0].stalled  # not more than its timeout
   clock["t"] += 0.5
   [t] = s.trainers()
-  assert t.stalled and (t.pid, t.rank, t.restart, t.tenant) == (7, 3, 1, "alice")
+  assert t.stalled and (t.pid, t.rank, t.restart, t.tenant) == (me, 3, 1, "alice")
   assert t.since_step_s == pytest.approx(10.5) and t.timeout_s == 10.0
   clock["t"] += 1.0
   s.step("w-1")  # it moved again
@@ -151,10 +154,25 @@ def test_a_session_that_ends_moving_is_no_stall(clock):
 
 def test_a_tenant_sees_its_own_trainers_only(clock):
   s = make(clock)
-  s.attach("w-a", pid=1, tenant="alice")
-  s.attach("w-b", pid=2, tenant="bob")
-  assert [t.pid for t in s.trainers("alice", every=False)] == [1]
-  assert sorted(t.pid for t in s.trainers()) == [1, 2]
+  a, b = os.getpid(), os.getppid()
+  s.attach("w-a", pid=a, pid_start=procfs.start(a), tenant="alice")
+  s.attach("w-b", pid=b, pid_start=procfs.start(b), tenant="bob")
+  assert [t.pid for t in s.trainers("alice", every=False)] == [a]
+  assert sorted(t.pid for t in s.trainers()) == sorted([a, b])
+
+
+def test_a_sessions_pid_is_listed_only_while_its_process_lives(clock):
+  """Issue 76, attack 5: the process that connected exits and its session lives on (its
+  connection held elsewhere): its pid is listed as 0 from then on, whoever gets it next
+  (another start: tests/processes/tools/test_watchdog_pids.py makes it happen); a pid with
+  no start known is never listed."""
+  s = make(clock)
+  me = os.getpid()
+  s.attach("w-gone", pid=procfs.PID_MAX, pid_start=procfs.start(me), rank=0)  # no process
+  s.attach("w-none", pid=me, pid_start=None, rank=1)  # its start unknown
+  s.attach("w-other", pid=me, pid_start=procfs.start(me) + 1, rank=2)  # another's start
+  s.attach("w-me", pid=me, pid_start=procfs.start(me), rank=3)
+  assert {t.rank: t.pid for t in s.trainers()} == {0: 0, 1: 0, 2: 0, 3: me}
 
 
 @pytest.mark.parametrize("bad", [-1, float("inf"), float("nan"), True, "10"],
@@ -234,3 +252,25 @@ def test_the_sessions_of_a_start_are_listed_by_tenant_live_ones_only(clock):
   assert s.of_start(1) == [("w-1", attached), ("w-2", attached)]
   assert s.of_start(1, "alice", every=False) == [("w-1", attached)]
   assert s.of_start(2) == []
+
+
+def test_a_phase_and_a_slow_gap_go_to_the_ledger_as_they_were(clock):
+  """Issue 77: a phase that ended, from its start; a gap past the timeout that ended in a
+  step, ``slow``; a gap within it, and a gap inside a phase, nothing."""
+  told = []
+  s = steps.Steps(10.0, clock=lambda: clock["t"] + 1.7e9, monotonic=lambda: clock["t"],
+                  on_gap=lambda *gap: told.append(gap))
+  s.attach("w-1", pid=0)
+  s.phase("w-1", stall.Phase("eval", 60.0))  # before its first step: startup's
+  s.phase("w-1", stall.Phase("eval"))
+  started(s)
+  clock["t"] += 0.9
+  s.step("w-1", taken=1)  # within the timeout: a step (the timeout stays the floor's 10 s)
+  clock["t"] += 20.1
+  s.step("w-1", taken=1)  # past it (the watchdog found it slow), then a step
+  s.phase("w-1", stall.Phase("eval", 60.0))
+  clock["t"] += 30.0
+  s.step("w-1", taken=1)  # inside the phase: the phase's
+  s.phase("w-1", stall.Phase("eval"))
+  assert told == [("w-1", "slow", None, 1000.0 + 0.9 + 1.7e9, 1000.0 + 21.0 + 1.7e9),
+                  ("w-1", "phase", "eval", 1000.0 + 21.0 + 1.7e9, 1000.0 + 51.0 + 1.7e9)]

@@ -139,7 +139,7 @@ def test_the_trainer_is_probed_for_stalls_against_its_own_sidecar():
 
 def test_the_pod_shares_one_pid_namespace_so_the_probe_can_ask_for_stacks():
   # issue 69: the sidecar knows a trainer's pid from the kernel only where both containers
-  # share a PID namespace; the probe signals no other (tools/watchdog.py `_unsignalled`).
+  # share a PID namespace; the probe signals no other (tools/stalls.py `_unsignalled`).
   doc = render.render_jobset(render.RenderOptions(slices=1, hosts_per_slice=1, image="s:1"))
   assert util.pod_spec(doc)["shareProcessNamespace"] is True
   assert checks.check_documents([doc], crd_path=util.CRD) == []
