@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from sidecar._src.ckptfmt import names, pinned
+from sidecar._src.ckptfmt import dir_fd, names, pinned
 from sidecar._src.ckptfmt.spec import ITEM, TMP_SUFFIX, Index, LeafSpec
 from sidecar._src.core import errors
 
@@ -96,9 +96,11 @@ def whole_chunk(index: Index, chunk: Sequence[int], separator: str = ".") -> str
 def write_text(path: pathlib.Path, text: str, *, sync: bool = True) -> None:
   """Writes a small file durably (``sync=False``: not synced, for one written again
   before the commit); its directory is synced before the commit. The file is opened in
-  its directory without following a symlink (``names.py``)."""
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fd = names.open_beneath(path.parent, path.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+  its directory, made where missing, each reached without following a symlink (only a
+  trusted one on the way to the directory: ``names.py``, ``dir_fd.DirFd.at``)."""
+  with dir_fd.DirFd.at(path.parent, make=True) as d:
+    fd = names.open_at(d.fd, path.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+                       shown=d.path)
   with os.fdopen(fd, "w") as f:
     f.write(text)
     if sync:

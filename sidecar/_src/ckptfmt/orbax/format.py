@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from sidecar._src.ckptfmt import direct_io, records
+from sidecar._src.ckptfmt.dir_fd import DirFd
 from sidecar._src.ckptfmt.format import Allocate, Format, Numbering, Turn, Uncommitted
 from sidecar._src.ckptfmt.orbax import (
   commit as orbax_commit,
@@ -73,12 +74,14 @@ class OrbaxFormat(Format):
   title: ClassVar[str] = "an Orbax checkpoint"
   readers: ClassVar[str] = "ctl.checkpointer (sidecar.jax) or orbax.checkpoint"
 
-  def create_tmp(self, directory: str, step: int) -> pathlib.Path:
-    return orbax_commit.create_tmp_step(directory, step)
+  def create_tmp(self, directory: str, step: int, *, at: DirFd | None = None
+                 ) -> pathlib.Path:
+    return orbax_commit.create_tmp_step(directory, step, at=at)
 
-  def begin_tmp(self, directory: str, step: int) -> tuple[pathlib.Path, Callable[[], None]]:
+  def begin_tmp(self, directory: str, step: int, *, at: DirFd | None = None
+                ) -> tuple[pathlib.Path, Callable[[], None]]:
     # The step's _CHECKPOINT_METADATA later: no other host writes it, finalize reads it.
-    tmp = orbax_commit.make_tmp_step(directory, step)
+    tmp = orbax_commit.make_tmp_step(directory, step, at=at)
     return tmp, functools.partial(orbax_commit.write_tmp_metadata, tmp, time.time_ns())
 
   def tmp_of(self, directory: str, step: int) -> str:
@@ -133,7 +136,7 @@ class OrbaxFormat(Format):
 
   def commit(self, tmp_dir: str, manifest: Manifest, *, leaves: Sequence[LeafSpec],
              num_hosts: int, whole_step: bool, extra: Any,
-             swapping: Callable[[], None]) -> str:
+             swapping: Callable[[], None], at: DirFd | None = None) -> str:
     """The manifest, the checks and the metadata files; with ``whole_step`` the step's
     rename (the rename acts on ``tmp_dir``'s parent, the tmp step directory), else the
     item is done and the Orbax CheckpointManager that owns the step commits it."""
@@ -150,7 +153,8 @@ class OrbaxFormat(Format):
           f"({e.strerror}); stage and prepare a step before committing it") from None
     if whole_step:
       return str(orbax_commit.finalize(pathlib.Path(tmp_dir).parent, leaves, num_hosts=num_hosts,
-                                       manifest=records.MANIFEST_FILE, renaming=swapping))
+                                       manifest=records.MANIFEST_FILE, renaming=swapping,
+                                       at=at))
     orbax_commit.finalize_item(tmp_dir, leaves, num_hosts=num_hosts,
                                manifest=records.MANIFEST_FILE)
     return tmp_dir
