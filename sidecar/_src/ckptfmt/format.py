@@ -113,6 +113,25 @@ class Format(abc.ABC):
   title: ClassVar[str] = "a checkpoint of another format"
   readers: ClassVar[str] = "the API that saved it"
 
+  # ---- its libraries ------------------------------------------------------
+
+  def installed(self) -> bool:
+    """Whether the libraries :meth:`load` imports are installed (found; none imported)."""
+    return True
+
+  def load(self) -> None:  # noqa: B027 - a format that needs no library overrides nothing
+    """Imports what this format's engine needs, once for the process: Python's imports
+    are not safe to race (``ckptfmt/orbax/libs.py``). A sidecar that serves checkpoints
+    loads every installed format on its main thread at start, before it serves
+    (:meth:`Registry.load_installed`), and asks this again before a save of the format
+    begins, so that one that cannot be written says so at once. This default needs
+    nothing.
+
+    Raises:
+      InvalidArgumentError: they cannot be imported here, naming the format, what is
+        missing and the fix (the extra to install, or another format).
+    """
+
   # ---- directories --------------------------------------------------------
 
   @abc.abstractmethod

@@ -18,6 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from sidecar._src.arena import shm
+from sidecar._src.ckptfmt import registry as formats_lib
 from sidecar._src.core import errors, options as options_lib
 from sidecar._src.server import (
   client_ids,
@@ -134,6 +135,8 @@ class Server:
   def _start(self) -> None:
     o = self.options
     preflight.check(o)  # the socket's and checkpoints' mounts, before the arena takes seconds
+    if o.checkpoint_roots:  # its formats' libraries, once, here: no request's thread imports
+      formats_lib.DEFAULT.load_installed()  # them (racing imports break a package: issue 76)
     if o.token is None and not o.client_tokens and not options_lib.is_loopback(o.listen):
       log.warning(
           "INSECURE: serving %s with no token (--insecure): anyone who can reach ports %d "

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from sidecar._src.ckptfmt import dir_fd, direct_io
 from sidecar._src.ckptfmt.dir_fd import DirFd
-from sidecar._src.ckptfmt.orbax import files
+from sidecar._src.ckptfmt.orbax import files, libs
 from sidecar._src.ckptfmt.spec import (
   COMMIT_SUCCESS_FILE,
   ITEM,
@@ -38,8 +38,8 @@ from sidecar._src.ckptfmt.spec import (
 )
 from sidecar._src.core import errors
 
-# Orbax loads with the first checkpoint that needs it (a sidecar starts without it): each
-# function imports what it uses.
+# Orbax is imported once for the process (``libs.load``: a sidecar that serves checkpoints
+# at its start); each function imports what it uses after that load.
 if TYPE_CHECKING:
   from orbax.checkpoint._src.metadata import tree as tree_metadata
 
@@ -172,6 +172,7 @@ def _check_array_metadatas(item_dir: pathlib.Path, leaves: Sequence[LeafSpec],
   """Checks every host wrote its part and all agree, as Orbax's finalize does."""
   if not any(leaf.kind is LeafKind.JAX_ARRAY for leaf in leaves):
     return
+  libs.load()  # once, for the process: never raced
   from orbax.checkpoint._src.metadata import array_metadata_store
   meta_dir = item_dir / "array_metadatas"
   found = sorted(p.name for p in meta_dir.glob("process_*"))
@@ -219,6 +220,7 @@ def _chunk_shape(item_dir: pathlib.Path, leaf: LeafSpec) -> tuple[int, ...]:
 def _tree_metadata(leaves: Sequence[LeafSpec],
                    custom_metadata: Mapping[str, Any] | None,
                    ) -> tree_metadata.InternalTreeMetadata:
+  libs.load()  # once, for the process: never raced
   from orbax.checkpoint._src.metadata import tree as tree_metadata, value_metadata_entry
   from orbax.checkpoint._src.metadata.pytree_metadata_options import PyTreeMetadataOptions
   from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
@@ -243,6 +245,7 @@ def _tree_metadata(leaves: Sequence[LeafSpec],
 
 def _write_step_metadata(step_dir: pathlib.Path, *, sync: bool = True, **timestamps: int
                          ) -> None:
+  libs.load()  # once, for the process: never raced
   from orbax.checkpoint._src.handlers import standard_checkpoint_handler
   from orbax.checkpoint._src.metadata import (
     checkpoint as checkpoint_metadata,

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from sidecar._src.ckptfmt import dir_fd, names, pinned
+from sidecar._src.ckptfmt.orbax import libs
 from sidecar._src.ckptfmt.spec import ITEM, TMP_SUFFIX, Index, LeafSpec
 from sidecar._src.core import errors
 
@@ -55,6 +56,7 @@ def write_spec(item_dir: pathlib.Path, spec: LeafSpec, host_index: int,
   """Orbax's own TensorStore spec (and chunk shape, file names) for a leaf, as host
   ``host_index`` writes it: Zarr v2, no OCDBT."""
   # Orbax loads with the first checkpoint (a sidecar starts without it).
+  libs.load()  # once, for the process: never raced
   from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
   leaf_dir(item_dir, spec.param_name)
   return ts_utils.ArrayWriteSpec(
@@ -68,6 +70,7 @@ def chunk_shape(shape: Sequence[int], write_shape: Sequence[int], dtype: np.dtyp
   """The chunk shape Orbax's write spec gives a leaf of ``shape`` written in blocks of
   ``write_shape`` (one chunk per block, blocks over 2 GiB split): what a save's
   ``.zarray`` says. Computed, no file touched."""
+  libs.load()  # once, for the process: never raced
   from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
   return tuple(ts_utils.ArrayWriteSpec(
       "/", "leaf", global_shape=tuple(shape), write_shape=tuple(write_shape), dtype=dtype,

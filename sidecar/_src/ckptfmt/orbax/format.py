@@ -4,8 +4,9 @@ A step is ``<directory>/<step>.orbax-checkpoint-tmp/`` while written, each host 
 its shards of the item ``default`` into it (``write.write_item_part``), renamed to
 ``<step>`` at the commit (``commit.finalize``). A staged shard's number is its leaf's
 (the step's leaves come with its first part), and its id names that leaf; the writer
-takes the staged records as they are. Orbax and TensorStore are imported by
-``write``, ``commit`` and ``read`` inside the functions that use them: this module loads
+takes the staged records as they are. Orbax and TensorStore are imported once for the
+process (``libs.load``: :meth:`OrbaxFormat.load`, a sidecar's start), by ``write``,
+``commit`` and ``read`` inside the functions that use them: importing this module loads
 none of them.
 """
 
@@ -24,6 +25,7 @@ from sidecar._src.ckptfmt.dir_fd import DirFd
 from sidecar._src.ckptfmt.format import Allocate, Format, Numbering, Turn, Uncommitted
 from sidecar._src.ckptfmt.orbax import (
   commit as orbax_commit,
+  libs as orbax_libs,
   read as orbax_read,
   write as orbax_write,
 )
@@ -73,6 +75,17 @@ class OrbaxFormat(Format):
   overwrites: ClassVar[bool] = False
   title: ClassVar[str] = "an Orbax checkpoint"
   readers: ClassVar[str] = "ctl.checkpointer (sidecar.jax) or orbax.checkpoint"
+
+  def installed(self) -> bool:
+    return orbax_libs.installed()
+
+  def load(self) -> None:
+    try:
+      orbax_libs.load()
+    except ImportError as e:
+      raise errors.InvalidArgumentError(
+          f"format {self.name!r} cannot be written or read by this sidecar: {e}; or save in "
+          "DCP's layout (CheckpointOptions(format=\"dcp\"))") from None
 
   def create_tmp(self, directory: str, step: int, *, at: DirFd | None = None
                  ) -> pathlib.Path:

@@ -156,6 +156,7 @@ class StepWriter:
     directory = begin.directory
     step = roots_lib.as_int(begin.step, "step")
     fmt = self._formats.get(begin.format)
+    fmt.load()  # (loaded at the sidecar's start where installed: else it says what is missing)
     tmp = pathlib.Path(self.tmp_of(directory, step, begin.format))
     if tmp_dir is not None and fmt.staged_dirs(fmt.tmp_of(directory, step))[0] != tmp_dir:
       raise errors.InvalidArgumentError(
