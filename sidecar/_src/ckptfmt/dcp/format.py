@@ -37,6 +37,10 @@ from sidecar._src.core import dtypes as dtypes_lib, errors
 
 _END = object()
 METADATA_CRC32C = "metadata_crc32c"  # the manifest's extra: the crc32c of .metadata
+# The ranks one step may stage into one sidecar: the trainer processes beside it (8 on a
+# GPU node). Each rank's file is written by a thread of its own (:func:`write_ranks`), so
+# a client naming a new rank in each part must not start a thread each (issue 76).
+MAX_RANKS = 64
 
 
 class ItemNumbering(Numbering):
@@ -51,6 +55,11 @@ class ItemNumbering(Numbering):
     if not isinstance(extra, DcpPart):
       raise errors.InvalidArgumentError(
           f"a Stage of a DCP step carries its rank's part (dcp), got {type(extra).__name__}")
+    if extra.rank not in self.counts and len(self.counts) >= MAX_RANKS:
+      raise errors.InvalidArgumentError(
+          f"dcp.rank {extra.rank}: this step has the parts of {len(self.counts)} ranks on this "
+          f"sidecar already, the most one step may (MAX_RANKS = {MAX_RANKS}: the trainer "
+          "processes beside one sidecar); stage each rank's part on its own host's sidecar")
     count = self.counts.get(extra.rank, extra.item_count)
     if extra.item_count != count:
       raise errors.InvalidArgumentError(

@@ -159,6 +159,8 @@ class Checkpoints:
     for own in self.tier.steps():
       own.stop(errors.ClosedError(f"the sidecar of host {self._host_id} is stopping "
                                   f"mid-save of step {own.step}"))
+    self.writer.close(errors.ClosedError(f"the sidecar of host {self._host_id} is stopping "
+                                         "mid-save"))
     deadline = time.monotonic() + timeout
     with self._threads_lock:
       self._stopping = True  # those spawned from now on start at once

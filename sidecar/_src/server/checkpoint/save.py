@@ -85,6 +85,7 @@ class StepWriter:
     self._write_turn = write_turn
     self._take_over = take_over
     self._begins = begins_lib.Begins(host_id, tier=tier)  # the saves begun here
+    self._writers = write_lib.Writers(host_id, tier=tier)  # when each step's writer starts
     # Its directories on disk, through descriptors opened from the roots.
     self.dirs = step_dirs.StepDirs(host_id, roots=roots, formats=formats)
 
@@ -182,8 +183,15 @@ class StepWriter:
       raise
 
   def forget_ended(self) -> None:
-    """Forgets the begun saves that are no longer in flight (their trainers gone)."""
+    """The reaper's: forgets the begun saves that are no longer in flight (their trainers
+    gone), and fails the steps begun with nothing staged whose next part never came
+    (``Writers.expire``)."""
     self._begins.forget_ended()
+    self._writers.expire()
+
+  def close(self, why: BaseException) -> None:
+    """The sidecar stops: each step begun with nothing to write yet ends with ``why``."""
+    self._writers.end_all(why)
 
   def begun(self, directory: str, step: int, format: str) -> begins_lib.Begun | None:  # noqa: A002
     """The Begin of step ``step`` of ``directory`` here in flight, if any."""
@@ -234,7 +242,7 @@ class StepWriter:
 
   def stage(self, stage: Stage, *, owner: str = "", worker: str = "",
             alive: Callable[[], bool] | None = None,
-            finish_tmp: Callable[[], None] | None = None) -> int:
+            finish_tmp: Callable[[], None] | None = None, tenant: str | None = None) -> int:
     """Takes the shards of this host a ``stage`` carries (arena views it now holds) and
     starts writing them. ``stage`` is the trainer's, as it sent it (``ckptfmt/phases``);
     ``owner``, ``worker``, ``alive`` and ``finish_tmp`` are what this sidecar knows of
@@ -260,7 +268,10 @@ class StepWriter:
     (``take_over``, which may refuse it: then this call raises). ``alive``: whether the
     trainer whose worker session ``worker`` staged this part is still there.
     ``finish_tmp`` (a part that begins its step: :meth:`begin_staged`): what finishes the
-    step's uncommitted directory, which its writer thread runs before it writes.
+    step's uncommitted directory, which its writer thread runs before it writes. The
+    writer starts with the first part that has something to write; a part that begins a
+    step is refused (ResourceExhaustedError) where ``tenant`` (``owner``, with no tenant)
+    holds ``write.BEGUN_STEPS`` steps being staged here (``write.Writers``).
     """
     directory, tmp_dir, final_dir = stage.directory, stage.tmp_dir, stage.final_dir
     leaves, shards, last, writers = stage.leaves, stage.shards, stage.last, stage.writers
@@ -301,12 +312,14 @@ class StepWriter:
       if own is None or not writing:
         own = step_lib.Step(directory, step, final_dir, tmp_dir=tmp_dir, writers=writers,
                             format=fmt.name, numbering=fmt.numbering(leaves))
+        self._writers.admit(own, tenant=tenant, session=owner)  # (refused: nothing held)
         slot.hold(own)
         phase = step_lib.Phase.STAGING
-        self._spawn(functools.partial(
+        # Its writer thread starts once it has something to write (Writers.staged).
+        self._writers.waiting(own, functools.partial(self._spawn, functools.partial(
             write_lib.write_step, own, fmt, host_id=self._host_id, tier=self._tier,
             metrics=self._metrics, turn=self._write_turn(owner) or direct_io.no_turn,
-            finish_tmp=finish_tmp), name=f"sidecar-ckpt-{step}")
+            finish_tmp=finish_tmp), name=f"sidecar-ckpt-{step}"))
       # (else its writer ran it: a part that begins a step in flight is refused first)
       if phase is step_lib.Phase.STAGED:
         raise errors.InvalidArgumentError(
@@ -328,6 +341,7 @@ class StepWriter:
         raise errors.ClosedError(f"stage: the save of step {step} was aborted on host "
                                  f"{self._host_id} meanwhile") from None
       staged = own.nbytes
+    self._writers.staged(own, something=bool(shards) or last)
     self._metrics.checkpoint_bytes("staged", staged - before)
     if whole and own.plans:
       self._take_over(own)  # before this Stage answers: the sidecars commit it now
@@ -500,6 +514,7 @@ class StepWriter:
       return committed
     own = self._tier.remove_item(final_dir)
     if own is not None:  # its writer stops before its directory goes
+      self._writers.end(own, errors.ClosedError(f"the save of step {own.step} was aborted"))
       own.wait_written(60)
     self._begins.ended(pathlib.Path(path))
     return ""

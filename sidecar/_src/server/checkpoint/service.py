@@ -355,7 +355,8 @@ class CheckpointService:
       with self._checkpoints.storage_reserved(self._client(context), stage.directory,
                                               sum(s.data.nbytes for s in stage.shards)):
         staged = self._checkpoints.writer.stage(
-            stage, owner=_session(context), worker=worker, alive=alive, finish_tmp=finish_tmp)
+            stage, owner=_session(context), worker=worker, alive=alive, finish_tmp=finish_tmp,
+            tenant=self._client(context))
     except BaseException as e:
       if begun:  # as if never begun: the trainer's abort of a failed begin removes nothing
         self._checkpoints.agreements.abort(stage.final_dir)
