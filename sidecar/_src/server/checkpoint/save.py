@@ -167,9 +167,11 @@ class StepWriter:
           "its step stages into the directory that Begin would answer")
     self._begins.reserve(directory, step, fmt.name, tmp, owner, alive)
     try:
-      # Made in the directory it lies in, opened from the root (a leftover removed there).
-      with self._roots.open(str(tmp.parent), make=True) as at:
-        made, finish = fmt.begin_tmp(self._path(directory, "directory"), step, at=at)
+      # Made in the directory it lies in, opened from the root (a leftover removed there):
+      # the format names it in that directory (a symlink there is in the way, not followed).
+      resolved = self._path(directory, "directory")
+      with self._roots.open(os.path.dirname(fmt.tmp_of(resolved, step)), make=True) as at:
+        made, finish = fmt.begin_tmp(resolved, step, at=at)
       return str(made), finish
     except BaseException as e:
       self._begins.unreserve(tmp, owner)

@@ -657,3 +657,19 @@ def test_another_sessions_begin_during_a_commit_is_refused_and_removes_nothing(
     commit.join(60)
   assert committed == [str(tmp_path / "ck" / "3")]
   assert os.listdir(directory) == ["3"]
+
+
+@pytest.mark.parametrize("fmt, name", [("orbax", "5.orbax-checkpoint-tmp"),
+                                       ("dcp", "m.dcp-checkpoint-tmp")], ids=["orbax", "dcp"])
+def test_a_symlink_where_a_steps_uncommitted_directory_goes_is_in_the_way_not_followed(
+    make_writer, tmp_path, fmt, name):
+  writer, _ = make_writer(Recording())
+  directory = tmp_path / "ck"
+  writer.open(str(directory))
+  (tmp_path / "elsewhere").mkdir()
+  (tmp_path / "elsewhere" / "keep").write_text("")
+  (directory / name).symlink_to(tmp_path / "elsewhere")
+  with pytest.raises(errors.PermissionDeniedError):
+    writer.begin(Begin(str(directory / "m") if fmt == "dcp" else str(directory), 5, fmt),
+                 owner="a")
+  assert (directory / name).is_symlink() and os.listdir(tmp_path / "elsewhere") == ["keep"]
