@@ -17,7 +17,9 @@ packages below it (``LAYERS``, lowest first; ARCHITECTURE.md's "Layout" draws th
 
 Nothing below the adapters imports a framework (a PyTorch trainer has no JAX); the
 sidecar may load one where a registered function, a feed or a checkpoint needs it, never
-at its start. The pipelines are written against the public API, as a user's would be.
+at its start but for its checkpoint formats' libraries where it serves checkpoints
+(``ckptfmt/orbax/libs.py``: once, on its main thread, before it serves). The pipelines
+are written against the public API, as a user's would be.
 """
 
 import ast

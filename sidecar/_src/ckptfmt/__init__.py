@@ -27,6 +27,8 @@ restore names no format: a committed directory's is the one its manifest names.
 * ``spec``: :class:`~.spec.LeafSpec` (a leaf's key path, shape, dtype, write shape) and
   Orbax's file and directory names.
 * ``names``: what a client may call a file; opening it beneath its directory.
+* ``dir_fd``: a directory opened once (``DirFd``), and what a step operation makes,
+  renames or removes relative to it.
 * ``direct_io``: ``O_DIRECT`` writes where they pay, fsync of files and directories.
 
 Adding a format is one sub-package ``ckptfmt/<name>/`` whose ``Format`` subclass

@@ -25,6 +25,14 @@ a :class:`Format`:
   has no manifest file (:meth:`Format.stock_manifest`: one a stock tool wrote; one a
   sidecar wrote has lost its checksums, and is refused).
 
+**Directories by descriptor.** What a format renames or removes (a leftover of a save that
+never committed, a sweep's partial steps, the commit's renames) it names relative to
+``at``, the directory its step's uncommitted directory lies in, opened once
+(``ckptfmt/dir_fd.DirFd``): the sidecar opens it from its checkpoint root with no symlink
+followed and hands it down, so a directory swapped for a symlink after the sidecar checked
+the path cannot move the act to another tenant's directory (issue 76). Called with a path
+alone (``at`` None: a test, a tool), a format opens it itself (``dir_fd.held``).
+
 Adding a format (safetensors, say) is one sub-package, ``ckptfmt/<name>/``, whose
 ``Format`` subclass implements these, one line in ``registry.py`` and one driver in
 ``tests/server/ckptfmt/test_conformance.py`` (ARCHITECTURE.md, "Where a new format goes");
@@ -47,6 +55,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from sidecar._src.ckptfmt import dir_fd
+from sidecar._src.ckptfmt.dir_fd import DirFd
 from sidecar._src.ckptfmt.direct_io import Turn
 from sidecar._src.ckptfmt.records import MANIFEST_FILE, Manifest, ShardRecord, Staged
 from sidecar._src.ckptfmt.spec import LeafSpec
@@ -103,20 +113,43 @@ class Format(abc.ABC):
   title: ClassVar[str] = "a checkpoint of another format"
   readers: ClassVar[str] = "the API that saved it"
 
+  # ---- its libraries ------------------------------------------------------
+
+  def installed(self) -> bool:
+    """Whether the libraries :meth:`load` imports are installed (found; none imported)."""
+    return True
+
+  def load(self) -> None:  # noqa: B027 - a format that needs no library overrides nothing
+    """Imports what this format's engine needs, once for the process: Python's imports
+    are not safe to race (``ckptfmt/orbax/libs.py``). A sidecar that serves checkpoints
+    loads every installed format on its main thread at start, before it serves
+    (:meth:`Registry.load_installed`), and asks this again before a save of the format
+    begins, so that one that cannot be written says so at once. This default needs
+    nothing.
+
+    Raises:
+      InvalidArgumentError: they cannot be imported here, naming the format, what is
+        missing and the fix (the extra to install, or another format).
+    """
+
   # ---- directories --------------------------------------------------------
 
   @abc.abstractmethod
-  def create_tmp(self, directory: str, step: int) -> pathlib.Path:
-    """Creates (anew) the directory ``step`` of ``directory`` is written into."""
+  def create_tmp(self, directory: str, step: int, *, at: DirFd | None = None
+                 ) -> pathlib.Path:
+    """Creates (anew) the directory ``step`` of ``directory`` is written into, in ``at``
+    (the directory it lies in, opened: see the module's docstring), removing a leftover
+    there first."""
 
-  def begin_tmp(self, directory: str, step: int) -> tuple[pathlib.Path, Callable[[], None]]:
+  def begin_tmp(self, directory: str, step: int, *, at: DirFd | None = None
+                ) -> tuple[pathlib.Path, Callable[[], None]]:
     """:meth:`create_tmp` in two halves: makes the directory now (anew, refusing what
     :meth:`create_tmp` refuses), and returns it with what finishes it, to run later: the
     files of the step's own that only this host writes, any time before the commit (a
     Stage that begins its step leaves them to the step's writer thread, off the trainer's
     wait). What another host writes its part into is made now: it is told to once this
     returned. This default makes all of it now."""
-    return self.create_tmp(directory, step), lambda: None
+    return self.create_tmp(directory, step, at=at), lambda: None
 
   @abc.abstractmethod
   def tmp_of(self, directory: str, step: int) -> str:
@@ -150,15 +183,19 @@ class Format(abc.ABC):
     """Where ``path`` (resolved) lies if it is in (or is) an uncommitted step of this
     format; None if it lies in none."""
 
-  def sweep(self, directory: pathlib.Path) -> list[pathlib.Path]:
-    """Puts back what a commit cut short left in ``directory``; returns its uncommitted
-    directories (the caller removes those no save in flight writes)."""
-    return sorted(directory.glob(f"*{self.tmp_suffix}"))
+  def sweep(self, directory: pathlib.Path, *, at: DirFd | None = None) -> list[pathlib.Path]:
+    """Puts back what a commit cut short left in ``directory`` (``at``, opened); returns
+    its uncommitted directories, each a directory (no symlink) in it (the caller removes
+    those no save in flight writes)."""
+    with dir_fd.held(at, directory) as d:
+      return [pathlib.Path(d.join(n)) for n in d.names()
+              if n.endswith(self.tmp_suffix) and d.is_dir(n)]
 
-  def made_here(self, tmp: pathlib.Path) -> bool:
-    """Whether the uncommitted step directory ``tmp`` is one a save made, so that an abort
-    may remove it (a format whose tmp directory lies beside the one opened marks its own)."""
-    del tmp
+  def made_here(self, tmp: pathlib.Path, *, at: DirFd | None = None) -> bool:
+    """Whether the uncommitted step directory ``tmp`` (in ``at``, opened) is one a save
+    made, so that an abort may remove it (a format whose tmp directory lies beside the one
+    opened marks its own)."""
+    del tmp, at
     return True
 
   def scratch_suffixes(self) -> tuple[str, ...]:
@@ -201,9 +238,10 @@ class Format(abc.ABC):
   @abc.abstractmethod
   def commit(self, tmp_dir: str, manifest: Manifest, *, leaves: Sequence[LeafSpec],
              num_hosts: int, whole_step: bool, extra: Any,
-             swapping: Callable[[], None]) -> str:
+             swapping: Callable[[], None], at: DirFd | None = None) -> str:
     """Writes ``manifest`` and the format's metadata, checks every host's part is there,
-    and commits (with ``whole_step``, the step's rename). Returns the committed directory.
+    and commits (with ``whole_step``, the step's rename, relative to ``at``: the directory
+    the step's uncommitted directory lies in, opened). Returns the committed directory.
     ``swapping`` is a fault point inside the commit, its files in place: between the two
     renames of an overwrite, or just before the step's one rename."""
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import pathlib
 from collections.abc import Mapping
 
@@ -22,6 +23,7 @@ from sidecar._src.ckptfmt.orbax.format import OrbaxFormat
 from sidecar._src.ckptfmt.records import MANIFEST_FILE, Manifest
 from sidecar._src.core import errors
 
+log = logging.getLogger(__name__)
 ORBAX = OrbaxFormat.name  # a JAX save's format unless chosen
 DCP = DcpFormat.name  # a PyTorch save's
 
@@ -108,6 +110,25 @@ class Registry:
   def is_checkpoint(self, path: pathlib.Path) -> bool:
     """Whether ``path`` is a committed checkpoint of any format."""
     return any(f.is_checkpoint(path) for f in self.formats.values())
+
+  def load_installed(self) -> list[str]:
+    """Loads (``Format.load``) every format whose libraries are installed, on the calling
+    thread: a sidecar's main thread at start, before it serves, so that no request's
+    thread imports them (concurrent imports of one package break it: issue 76). Returns
+    the names of the formats it could not load; each is logged, and its saves and reads
+    say why. A format not installed is left unloaded: its first save says what to
+    install."""
+    failed = []
+    for fmt in self.formats.values():
+      if not fmt.installed():
+        continue
+      try:
+        fmt.load()
+      except errors.SidecarError as e:
+        log.warning("checkpoint format %r is installed but could not be loaded: %s",
+                    fmt.name, e)
+        failed.append(fmt.name)
+    return failed
 
   def replacing(self, fmt: Format) -> Registry:
     """This registry with ``fmt`` in place of the format of its name."""

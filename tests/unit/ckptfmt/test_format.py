@@ -14,7 +14,7 @@ import threading
 import numpy as np
 import pytest
 
-from sidecar._src.ckptfmt import direct_io, records, registry as formats_lib
+from sidecar._src.ckptfmt import dir_fd, direct_io, records, registry as formats_lib
 from sidecar._src.ckptfmt.format import Format, Uncommitted
 from sidecar._src.ckptfmt.orbax.format import LeafNumbering
 from sidecar._src.ckptfmt.phases import Begin, Commit, Stage
@@ -43,9 +43,13 @@ def _file(directory, key_path, index) -> pathlib.Path:
 class NpyFormat(Format):
   name, tmp_suffix, overwrites = "npy", SUFFIX, False
 
-  def create_tmp(self, directory, step):
+  def create_tmp(self, directory, step, *, at=None):
+    # Made, like everything a format renames or removes, relative to ``at``: the directory
+    # it lies in, opened by the sidecar from its root (a symlink swapped in is not followed).
     tmp = pathlib.Path(self.tmp_of(directory, step))
-    tmp.mkdir(parents=True)
+    with dir_fd.held(at, tmp.parent, make=True) as d:
+      d.rmtree(tmp.name)
+      d.mkdir(tmp.name)
     return tmp
 
   def tmp_of(self, directory, step):
@@ -72,11 +76,13 @@ class NpyFormat(Format):
       sums.append(s.record.with_crc32c(shard_crc32c(s.data)))
     return sums
 
-  def commit(self, tmp_dir, manifest, *, leaves, num_hosts, whole_step, extra, swapping):
+  def commit(self, tmp_dir, manifest, *, leaves, num_hosts, whole_step, extra, swapping,
+             at=None):
     direct_io.write_small(pathlib.Path(tmp_dir) / records.MANIFEST_FILE,
                           manifest.to_json().encode())
     final = tmp_dir.removesuffix(SUFFIX)
-    os.rename(tmp_dir, final)
+    with dir_fd.held(at, os.path.dirname(tmp_dir)) as d:
+      d.rename(os.path.basename(tmp_dir), os.path.basename(final))
     return final
 
   def read(self, final_dir, record, *, allocate, manifest):

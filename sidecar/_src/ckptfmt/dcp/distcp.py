@@ -42,23 +42,21 @@ into values in the trainer, as it does for stock files.
 from __future__ import annotations
 
 import concurrent.futures
-import ctypes
+import contextlib
 import dataclasses
 import enum
-import errno
-import functools
 import os
 import pathlib
 import re
-import shutil
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import crc32c as crc32c_lib
 import numpy as np
 
-from sidecar._src.ckptfmt import direct_io, names, records
+from sidecar._src.ckptfmt import dir_fd, direct_io, names, records
 from sidecar._src.ckptfmt.dcp import archive
+from sidecar._src.ckptfmt.dir_fd import DirFd
 from sidecar._src.ckptfmt.direct_io import background_thread
 from sidecar._src.ckptfmt.records import ShardId, ShardRecord, Staged
 from sidecar._src.core import errors
@@ -68,7 +66,6 @@ MANIFEST = records.MANIFEST_FILE
 TMP_SUFFIX = ".dcp-checkpoint-tmp"
 OLD_SUFFIX = ".dcp-checkpoint-old"  # a replaced checkpoint, until its removal
 MADE_FILE = ".sidecar-made"  # in an uncommitted directory: a save made it (gone once committed)
-_AT_FDCWD, _RENAME_EXCHANGE = -100, 2  # <fcntl.h>, <linux/fs.h>
 FORMAT = "dcp"
 _WRITERS = 4
 # A save's id (DCP's ``StorageMeta.save_id``, pickled in ``.metadata`` by the trainer) is
@@ -346,45 +343,83 @@ def tmp_path(path: os.PathLike | str) -> pathlib.Path:
   return path.with_name(path.name + TMP_SUFFIX)
 
 
-def create_tmp(path: os.PathLike | str) -> pathlib.Path:
+def create_tmp(path: os.PathLike | str, *, at: DirFd | None = None) -> pathlib.Path:
   """Makes the uncommitted directory of the checkpoint at ``path`` (a leftover of an
   attempt that never committed is removed first, if a save made it: :func:`is_ours`) and
-  returns it, marked as made by a save (:data:`MADE_FILE`).
+  returns it, marked as made by a save (:data:`MADE_FILE`). ``at``: the directory ``path``
+  lies in, opened (made here where missing, if None): every look, removal and rename is
+  relative to it.
 
   Raises:
     PermissionDeniedError: something a save did not make is where the directory goes.
   """
-  recover(path)  # a complete copy first, where an overwrite was cut short
+  path = pathlib.Path(path)
   tmp = tmp_path(path)
-  remove_ours(tmp)
-  tmp.mkdir(parents=True)
-  direct_io.write_small(tmp / MADE_FILE, b"")
+  with dir_fd.held(at, path.parent, make=True) as d:
+    recover(path, at=d)  # a complete copy first, where an overwrite was cut short
+    remove_ours(tmp, at=d)
+    try:
+      d.mkdir(tmp.name)
+    except FileExistsError as e:
+      raise FileExistsError(e.errno, e.strerror, str(tmp)) from None
+    with d.child(tmp.name) as made:
+      fd = os.open(MADE_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+                   | os.O_CLOEXEC, 0o644, dir_fd=made.fd)
+      try:
+        os.fsync(fd)
+      finally:
+        os.close(fd)
   return tmp
 
 
-def is_ours(path: os.PathLike | str) -> bool:
+def is_ours(path: os.PathLike | str, *, at: DirFd | None = None) -> bool:
   """Whether ``path`` is a directory a save made: an uncommitted one (:data:`MADE_FILE`
   in it) or a checkpoint written here (our manifest and DCP's ``.metadata``); never a
-  symlink."""
+  symlink. ``at``: the directory ``path`` lies in, opened."""
   path = pathlib.Path(path)
-  if path.is_symlink() or not path.is_dir():
-    return False
-  return (path / MADE_FILE).is_file() or (is_checkpoint(path) and (path / MANIFEST).is_file())
+  try:
+    with dir_fd.held(at, path.parent) as d, _opened_child(d, path.name) as c:
+      return c is not None and _made_by_a_save(c)
+  except FileNotFoundError:
+    return False  # (its directory gone: nothing there)
 
 
-def remove_ours(path: os.PathLike | str) -> None:
+def _made_by_a_save(c: DirFd) -> bool:
+  """:func:`is_ours` of the directory ``c``, opened."""
+  return c.is_file(MADE_FILE) or (c.is_file(METADATA_FILE) and c.is_file(MANIFEST))
+
+
+def remove_ours(path: os.PathLike | str, *, at: DirFd | None = None) -> None:
   """Removes the directory ``path`` (a save's ``-tmp`` or ``-old`` sibling) if a save made
   it (:func:`is_ours`); nothing there is fine; anything else is left as it is and refused
-  (PermissionDeniedError): a sidecar removes only what it made."""
+  (PermissionDeniedError): a sidecar removes only what it made. ``at``: the directory
+  ``path`` lies in, opened; what is removed is the directory found there before the check
+  (``DirFd.remove``'s ``expect``), never one swapped in since."""
   path = pathlib.Path(path)
-  if not is_ours(path):
-    if not (path.exists() or path.is_symlink()):
-      return  # nothing there, or removed since the look (another host's abort or open)
-    raise errors.PermissionDeniedError(
-        f"{path} is in the way of a DCP save and was not made by one (no {MADE_FILE} nor "
-        f"{MANIFEST} in it); it is left as it is: move it away, or save the checkpoint "
-        "under another name")
-  shutil.rmtree(path, ignore_errors=True)
+  with dir_fd.held(at, path.parent) as d:
+    seen = d.lstat(path.name)
+    if not is_ours(path, at=d):
+      if d.lstat(path.name) is None:
+        return  # nothing there, or removed since the look (another host's abort or open)
+      raise errors.PermissionDeniedError(
+          f"{path} is in the way of a DCP save and was not made by one (no {MADE_FILE} nor "
+          f"{MANIFEST} in it); it is left as it is: move it away, or save the checkpoint "
+          "under another name")
+    if seen is not None:
+      d.remove(path.name, expect=(seen.st_dev, seen.st_ino))
+
+
+@contextlib.contextmanager
+def _opened_child(d: DirFd, name: str) -> Iterator[DirFd | None]:
+  """The directory ``name`` in ``d`` opened (no symlink followed), or None where nothing
+  is there or it is no directory (a file, a symlink)."""
+  try:
+    c = d.child(name)
+  except (FileNotFoundError, NotADirectoryError, errors.PermissionDeniedError):
+    yield None
+    return
+  with c:
+    yield c
 
 
 def old_path(path: os.PathLike | str) -> pathlib.Path:
@@ -394,39 +429,33 @@ def old_path(path: os.PathLike | str) -> pathlib.Path:
   return path.with_name(path.name + OLD_SUFFIX)
 
 
-def recover(path: os.PathLike | str) -> bool:
+def recover(path: os.PathLike | str, *, at: DirFd | None = None) -> bool:
   """Puts the replaced copy back at ``path`` if an overwrite was cut short between its two
   renames (nothing at ``path``, a complete copy at :func:`old_path`); whether it did.
   Another process that put it back first (another host's open of the same directory)
-  leaves nothing to do here."""
+  leaves nothing to do here. ``at``: the directory ``path`` lies in, opened."""
   path, old = pathlib.Path(path), old_path(path)
-  if path.exists() or path.is_symlink() or not is_checkpoint(old):
-    return False
-  try:
-    os.rename(old, path)
-  except FileNotFoundError:
-    return False  # renamed back by another process since the check
-  direct_io.fsync_dir(path.parent)
+  with dir_fd.held(at, path.parent) as d:
+    if d.lstat(path.name) is not None or not _is_checkpoint_in(d, old.name):
+      return False
+    try:
+      d.rename(old.name, path.name)
+    except (FileNotFoundError, FileExistsError):
+      return False  # put back (or the path made) by another process since the check
+    d.fsync()
   return True
 
 
-def _exchange(a: pathlib.Path, b: pathlib.Path) -> bool:
-  """Swaps the directories ``a`` and ``b`` in one step (Linux's ``renameat2`` with
-  ``RENAME_EXCHANGE``); False where the system or the file system has no such swap."""
-  fn = getattr(_libc(), "renameat2", None)
-  if fn is None:
-    return False
-  if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-    return True
-  err = ctypes.get_errno()
-  if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
-    return False
-  raise OSError(err, os.strerror(err), str(a), None, str(b))
+def _is_checkpoint_in(d: DirFd, name: str) -> bool:
+  """Whether the directory ``name`` in ``d`` (no symlink) is a committed DCP checkpoint."""
+  with _opened_child(d, name) as c:
+    return c is not None and c.is_file(METADATA_FILE)
 
 
-@functools.cache
-def _libc() -> ctypes.CDLL:
-  return ctypes.CDLL(None, use_errno=True)
+def _exchange(d: DirFd, a: str, b: str) -> bool:
+  """Swaps the directories ``a`` and ``b`` of ``d`` in one step (``DirFd.exchange``);
+  False where the system or the file system has no such swap."""
+  return d.exchange(a, b)
 
 
 def is_checkpoint(path: os.PathLike | str) -> bool:
@@ -468,7 +497,8 @@ def metadata_crc32c(path: os.PathLike | str) -> int:
 
 def finalize(tmp: os.PathLike | str, *, metadata: bytes, file_sizes: Mapping[int, int],
              manifest: records.Manifest | None = None, replace: bool = True,
-             swapping: Callable[[], None] | None = None) -> pathlib.Path:
+             swapping: Callable[[], None] | None = None,
+             at: DirFd | None = None) -> pathlib.Path:
   """Commits the checkpoint written into ``tmp``: checks every rank's file, writes the
   manifest and ``.metadata`` (the bytes rank 0's trainer pickled), fsyncs, renames.
 
@@ -480,6 +510,8 @@ def finalize(tmp: os.PathLike | str, *, metadata: bytes, file_sizes: Mapping[int
     replace: a committed checkpoint already at the path is replaced (as DCP's
       ``overwrite=True``): it stays whole until the rename and is removed after;
       False: FileExistsError.
+    at: the directory ``tmp`` lies in, opened: every look, rename and removal of the
+      commit is relative to it (None: opened here).
 
   Returns:
     The committed checkpoint directory.
@@ -510,37 +542,52 @@ def finalize(tmp: os.PathLike | str, *, metadata: bytes, file_sizes: Mapping[int
     direct_io.write_small(tmp / MANIFEST, manifest.to_json().encode())
   direct_io.write_small(tmp / METADATA_FILE, metadata)
   direct_io.fsync_dir(tmp)
-  recover(final)
+  with dir_fd.held(at, tmp.parent) as d:
+    return _swap_in(d, tmp, final, replace=replace, swapping=swapping)
+
+
+def _swap_in(d: DirFd, tmp: pathlib.Path, final: pathlib.Path, *, replace: bool,
+             swapping: Callable[[], None] | None) -> pathlib.Path:
+  """:func:`finalize`'s renames, in the directory ``d`` both lie in."""
+  recover(final, at=d)
   old = None
-  if final.exists() or final.is_symlink():
-    if not is_checkpoint(final):
+  if d.lstat(final.name) is not None:
+    if not _is_checkpoint_in(d, final.name):
       raise FileExistsError(f"{final} exists and is not a DCP checkpoint; not replacing it")
     if not replace:
       raise FileExistsError(f"a checkpoint is already committed at {final}")
     stale = old_path(final)  # a stale copy (``final`` is whole), or what a save made
-    if is_checkpoint(stale) and not stale.is_symlink():
-      shutil.rmtree(stale, ignore_errors=True)
+    if _is_checkpoint_in(d, stale.name):
+      d.rmtree(stale.name)
     else:
-      remove_ours(stale)
-    if _exchange(tmp, final):  # one step: the path always holds a complete checkpoint
+      remove_ours(stale, at=d)
+    if _exchange(d, tmp.name, final.name):  # one step: the path always holds a whole one
       if swapping is not None:
         swapping()
-      direct_io.fsync_dir(final.parent)
-      shutil.rmtree(tmp, ignore_errors=True)  # the replaced copy, now at the tmp name
-      (final / MADE_FILE).unlink(missing_ok=True)  # committed: no longer a save's own
+      d.fsync()
+      d.rmtree(tmp.name)  # the replaced copy, now at the tmp name
+      _committed(d, final.name)
       return final
     # No atomic swap here: two renames, and recover() puts the old copy back if this
     # process dies between them (the next open or save of the path calls it).
     old = old_path(final)
-    os.rename(final, old)
+    d.rename(final.name, old.name)
     if swapping is not None:
       swapping()
-  os.rename(tmp, final)
-  direct_io.fsync_dir(final.parent)
-  (final / MADE_FILE).unlink(missing_ok=True)  # committed: no longer a save's own
+  d.rename(tmp.name, final.name)
+  d.fsync()
+  _committed(d, final.name)
   if old is not None:
-    shutil.rmtree(old, ignore_errors=True)
+    d.rmtree(old.name)
   return final
+
+
+def _committed(d: DirFd, name: str) -> None:
+  """The committed checkpoint ``name`` in ``d`` is no longer a save's own: its
+  :data:`MADE_FILE` goes."""
+  with _opened_child(d, name) as c:
+    if c is not None:
+      c.unlink(MADE_FILE)
 
 
 # ---- read ------------------------------------------------------------------------------

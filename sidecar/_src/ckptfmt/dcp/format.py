@@ -26,9 +26,10 @@ from typing import Any, ClassVar
 import crc32c as crc32c_lib
 import numpy as np
 
-from sidecar._src.ckptfmt import names, records
+from sidecar._src.ckptfmt import dir_fd, names, records
 from sidecar._src.ckptfmt.dcp import archive, distcp
 from sidecar._src.ckptfmt.dcp.parts import DcpCommit, DcpPart
+from sidecar._src.ckptfmt.dir_fd import DirFd
 from sidecar._src.ckptfmt.format import Allocate, Format, Numbering, Turn, Uncommitted
 from sidecar._src.ckptfmt.records import Manifest, ShardRecord, Staged
 from sidecar._src.ckptfmt.spec import LeafSpec
@@ -36,6 +37,10 @@ from sidecar._src.core import dtypes as dtypes_lib, errors
 
 _END = object()
 METADATA_CRC32C = "metadata_crc32c"  # the manifest's extra: the crc32c of .metadata
+# The ranks one step may stage into one sidecar: the trainer processes beside it (8 on a
+# GPU node). Each rank's file is written by a thread of its own (:func:`write_ranks`), so
+# a client naming a new rank in each part must not start a thread each (issue 76).
+MAX_RANKS = 64
 
 
 class ItemNumbering(Numbering):
@@ -50,6 +55,11 @@ class ItemNumbering(Numbering):
     if not isinstance(extra, DcpPart):
       raise errors.InvalidArgumentError(
           f"a Stage of a DCP step carries its rank's part (dcp), got {type(extra).__name__}")
+    if extra.rank not in self.counts and len(self.counts) >= MAX_RANKS:
+      raise errors.InvalidArgumentError(
+          f"dcp.rank {extra.rank}: this step has the parts of {len(self.counts)} ranks on this "
+          f"sidecar already, the most one step may (MAX_RANKS = {MAX_RANKS}: the trainer "
+          "processes beside one sidecar); stage each rank's part on its own host's sidecar")
     count = self.counts.get(extra.rank, extra.item_count)
     if extra.item_count != count:
       raise errors.InvalidArgumentError(
@@ -78,9 +88,10 @@ class DcpFormat(Format):
   title: ClassVar[str] = "a PyTorch DCP checkpoint"
   readers: ClassVar[str] = "sidecar.torch.Checkpointer or torch.distributed.checkpoint.load"
 
-  def create_tmp(self, directory: str, step: int) -> pathlib.Path:
+  def create_tmp(self, directory: str, step: int, *, at: DirFd | None = None
+                 ) -> pathlib.Path:
     del step  # ``directory`` is the checkpoint's own path
-    return distcp.create_tmp(directory)
+    return distcp.create_tmp(directory, at=at)
 
   def tmp_of(self, directory: str, step: int) -> str:
     del step
@@ -92,19 +103,25 @@ class DcpFormat(Format):
     final = path.with_name(path.name.removesuffix(distcp.TMP_SUFFIX))
     return Uncommitted(path, final, final)
 
-  def sweep(self, directory: pathlib.Path) -> list[pathlib.Path]:
-    for old in sorted(directory.glob(f"*{distcp.OLD_SUFFIX}")):
-      distcp.recover(old.with_name(old.name.removesuffix(distcp.OLD_SUFFIX)))
-    # Only what a save made is swept (STYLE 27): anything else of that name stays.
-    return [tmp for tmp in super().sweep(directory) if distcp.is_ours(tmp)]
+  def sweep(self, directory: pathlib.Path, *, at: DirFd | None = None) -> list[pathlib.Path]:
+    with dir_fd.held(at, directory) as d:
+      for name in d.names():
+        if name.endswith(distcp.OLD_SUFFIX):
+          distcp.recover(directory / name.removesuffix(distcp.OLD_SUFFIX), at=d)
+      # Only what a save made is swept (STYLE 27): anything else of that name stays.
+      return [tmp for tmp in super().sweep(directory, at=d) if distcp.is_ours(tmp, at=d)]
 
   def scratch_suffixes(self) -> tuple[str, ...]:
     return (distcp.TMP_SUFFIX, distcp.OLD_SUFFIX)
 
-  def made_here(self, tmp: pathlib.Path) -> bool:
+  def made_here(self, tmp: pathlib.Path, *, at: DirFd | None = None) -> bool:
     # Ours, or nothing there: never made, or removed since the look by another host's
     # abort (whose removal is one step: the directory renamed away, then its files).
-    return distcp.is_ours(tmp) or not tmp.exists()
+    try:
+      with dir_fd.held(at, tmp.parent) as d:
+        return distcp.is_ours(tmp, at=d) or d.lstat(tmp.name) is None
+    except FileNotFoundError:
+      return True  # its directory is gone: nothing there
 
   def is_checkpoint(self, path: pathlib.Path) -> bool:
     return distcp.is_checkpoint(path)
@@ -140,7 +157,7 @@ class DcpFormat(Format):
 
   def commit(self, tmp_dir: str, manifest: Manifest, *, leaves: Sequence[LeafSpec],
              num_hosts: int, whole_step: bool, extra: Any,
-             swapping: Callable[[], None]) -> str:
+             swapping: Callable[[], None], at: DirFd | None = None) -> str:
     """Writes the manifest and DCP's ``.metadata`` (as the trainer pickled it), renames
     (swapping in one step with a committed checkpoint at the path)."""
     del leaves, num_hosts, whole_step  # every rank's file size is checked instead
@@ -150,7 +167,7 @@ class DcpFormat(Format):
           f"(*{distcp.TMP_SUFFIX})")
     extra = _commit_extra(extra)
     return str(distcp.finalize(tmp_dir, metadata=extra.metadata, file_sizes=extra.file_sizes,
-                               manifest=manifest, swapping=swapping))
+                               manifest=manifest, swapping=swapping, at=at))
 
   def check_stored(self, final_dir: str, manifest: Manifest) -> None:
     """The ``.metadata`` against the crc32c the manifest records (a manifest of an earlier

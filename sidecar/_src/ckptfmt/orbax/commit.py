@@ -6,6 +6,10 @@
 thread); once every host wrote its part, :func:`finalize` checks every
 chunk is there, writes the item's ``_sharding``, ``_METADATA`` and
 ``commit_success.txt``, fsyncs the directories and renames the step into place.
+
+Both remove or rename only relative to the step's checkpoint directory opened once
+(``ckptfmt/dir_fd.py``: the sidecar's, opened from its root with no symlink followed, or
+opened here from a path): a directory swapped for a symlink meanwhile never moves them.
 """
 
 from __future__ import annotations
@@ -15,13 +19,13 @@ import json
 import math
 import os
 import pathlib
-import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from sidecar._src.ckptfmt import direct_io
-from sidecar._src.ckptfmt.orbax import files
+from sidecar._src.ckptfmt import dir_fd, direct_io
+from sidecar._src.ckptfmt.dir_fd import DirFd
+from sidecar._src.ckptfmt.orbax import files, libs
 from sidecar._src.ckptfmt.spec import (
   COMMIT_SUCCESS_FILE,
   ITEM,
@@ -34,13 +38,14 @@ from sidecar._src.ckptfmt.spec import (
 )
 from sidecar._src.core import errors
 
-# Orbax loads with the first checkpoint that needs it (a sidecar starts without it): each
-# function imports what it uses.
+# Orbax is imported once for the process (``libs.load``: a sidecar that serves checkpoints
+# at its start); each function imports what it uses after that load.
 if TYPE_CHECKING:
   from orbax.checkpoint._src.metadata import tree as tree_metadata
 
 
-def create_tmp_step(directory: os.PathLike | str, step: int) -> pathlib.Path:
+def create_tmp_step(directory: os.PathLike | str, step: int, *, at: DirFd | None = None
+                    ) -> pathlib.Path:
   """Creates the uncommitted step directory and its ``_CHECKPOINT_METADATA``.
 
   A tmp directory left over by an attempt that never committed is removed first,
@@ -49,25 +54,30 @@ def create_tmp_step(directory: os.PathLike | str, step: int) -> pathlib.Path:
   Raises:
     FileExistsError: the step is already committed.
   """
-  tmp = make_tmp_step(directory, step)
+  tmp = make_tmp_step(directory, step, at=at)
   write_tmp_metadata(tmp, time.time_ns())
   return tmp
 
 
-def make_tmp_step(directory: os.PathLike | str, step: int) -> pathlib.Path:
+def make_tmp_step(directory: os.PathLike | str, step: int, *, at: DirFd | None = None
+                  ) -> pathlib.Path:
   """:func:`create_tmp_step`'s directory alone (anew), without its metadata file
   (:func:`write_tmp_metadata`): what the other hosts write their parts into once told.
+  ``at``: ``directory`` opened (made here where missing, if None).
 
   Raises:
     FileExistsError: the step is already committed, or its directory was made meanwhile
       by another process (between the removal of a leftover and the ``mkdir``).
   """
-  final = pathlib.Path(directory) / str(int(step))
-  if final.exists():
-    raise FileExistsError(f"step {step} is already committed at {final}")
   tmp = tmp_step_path(directory, step)
-  shutil.rmtree(tmp, ignore_errors=True)
-  tmp.mkdir(parents=True)
+  with dir_fd.held(at, directory, make=True) as d:
+    if d.lstat(str(int(step))) is not None:
+      raise FileExistsError(f"step {step} is already committed at {d.join(str(int(step)))}")
+    d.rmtree(tmp.name)
+    try:
+      d.mkdir(tmp.name)
+    except FileExistsError as e:
+      raise FileExistsError(e.errno, e.strerror, str(tmp)) from None
   return tmp
 
 
@@ -85,7 +95,8 @@ def write_tmp_metadata(tmp: pathlib.Path, init_timestamp_nsecs: int) -> None:
 def finalize(tmp_step_dir: os.PathLike | str, leaves: Sequence[LeafSpec], *,
              num_hosts: int, custom_metadata: Mapping[str, Any] | None = None,
              manifest: str | None = None,
-             renaming: Callable[[], None] | None = None) -> pathlib.Path:
+             renaming: Callable[[], None] | None = None,
+             at: DirFd | None = None) -> pathlib.Path:
   """Checks the hosts' parts, writes the tree metadata and commits the step.
 
   Run once, after every host's :func:`write_host_part` returned. Checks that every
@@ -100,6 +111,8 @@ def finalize(tmp_step_dir: os.PathLike | str, leaves: Sequence[LeafSpec], *,
     manifest: the file name of the manifest written beside it, recorded in ``_METADATA``
       (``files.MANIFEST_KEY``); None: no manifest.
     renaming: called once every file is in place, just before the rename (a fault point).
+    at: the step's checkpoint directory (where ``tmp_step_dir`` lies), opened: the rename
+      is relative to it (None: opened here).
 
   Returns:
     The committed step directory.
@@ -117,12 +130,14 @@ def finalize(tmp_step_dir: os.PathLike | str, leaves: Sequence[LeafSpec], *,
   files.write_text(tmp / COMMIT_SUCCESS_FILE, f"Checkpoint commit was successful to {final}")
   # Its entries are durable (finalize_item synced the item's) before the rename.
   direct_io.fsync_dir(tmp)
-  if renaming is not None:
-    renaming()
-  if final.exists():
-    raise FileExistsError(f"step {final.name} was committed meanwhile at {final}")
-  os.rename(tmp, final)
-  direct_io.fsync_dir(final.parent)
+  with dir_fd.held(at, tmp.parent) as d:
+    if renaming is not None:
+      renaming()
+    try:
+      d.rename(tmp.name, final.name)  # never over a step committed meanwhile
+    except FileExistsError:
+      raise FileExistsError(f"step {final.name} was committed meanwhile at {final}") from None
+    d.fsync()
   return final
 
 
@@ -157,6 +172,7 @@ def _check_array_metadatas(item_dir: pathlib.Path, leaves: Sequence[LeafSpec],
   """Checks every host wrote its part and all agree, as Orbax's finalize does."""
   if not any(leaf.kind is LeafKind.JAX_ARRAY for leaf in leaves):
     return
+  libs.load()  # once, for the process: never raced
   from orbax.checkpoint._src.metadata import array_metadata_store
   meta_dir = item_dir / "array_metadatas"
   found = sorted(p.name for p in meta_dir.glob("process_*"))
@@ -204,6 +220,7 @@ def _chunk_shape(item_dir: pathlib.Path, leaf: LeafSpec) -> tuple[int, ...]:
 def _tree_metadata(leaves: Sequence[LeafSpec],
                    custom_metadata: Mapping[str, Any] | None,
                    ) -> tree_metadata.InternalTreeMetadata:
+  libs.load()  # once, for the process: never raced
   from orbax.checkpoint._src.metadata import tree as tree_metadata, value_metadata_entry
   from orbax.checkpoint._src.metadata.pytree_metadata_options import PyTreeMetadataOptions
   from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
@@ -228,6 +245,7 @@ def _tree_metadata(leaves: Sequence[LeafSpec],
 
 def _write_step_metadata(step_dir: pathlib.Path, *, sync: bool = True, **timestamps: int
                          ) -> None:
+  libs.load()  # once, for the process: never raced
   from orbax.checkpoint._src.handlers import standard_checkpoint_handler
   from orbax.checkpoint._src.metadata import (
     checkpoint as checkpoint_metadata,

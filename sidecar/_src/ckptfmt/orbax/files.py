@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from sidecar._src.ckptfmt import names, pinned
+from sidecar._src.ckptfmt import dir_fd, names, pinned
+from sidecar._src.ckptfmt.orbax import libs
 from sidecar._src.ckptfmt.spec import ITEM, TMP_SUFFIX, Index, LeafSpec
 from sidecar._src.core import errors
 
@@ -55,6 +56,7 @@ def write_spec(item_dir: pathlib.Path, spec: LeafSpec, host_index: int,
   """Orbax's own TensorStore spec (and chunk shape, file names) for a leaf, as host
   ``host_index`` writes it: Zarr v2, no OCDBT."""
   # Orbax loads with the first checkpoint (a sidecar starts without it).
+  libs.load()  # once, for the process: never raced
   from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
   leaf_dir(item_dir, spec.param_name)
   return ts_utils.ArrayWriteSpec(
@@ -68,6 +70,7 @@ def chunk_shape(shape: Sequence[int], write_shape: Sequence[int], dtype: np.dtyp
   """The chunk shape Orbax's write spec gives a leaf of ``shape`` written in blocks of
   ``write_shape`` (one chunk per block, blocks over 2 GiB split): what a save's
   ``.zarray`` says. Computed, no file touched."""
+  libs.load()  # once, for the process: never raced
   from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
   return tuple(ts_utils.ArrayWriteSpec(
       "/", "leaf", global_shape=tuple(shape), write_shape=tuple(write_shape), dtype=dtype,
@@ -96,9 +99,11 @@ def whole_chunk(index: Index, chunk: Sequence[int], separator: str = ".") -> str
 def write_text(path: pathlib.Path, text: str, *, sync: bool = True) -> None:
   """Writes a small file durably (``sync=False``: not synced, for one written again
   before the commit); its directory is synced before the commit. The file is opened in
-  its directory without following a symlink (``names.py``)."""
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fd = names.open_beneath(path.parent, path.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+  its directory, made where missing, each reached without following a symlink (only a
+  trusted one on the way to the directory: ``names.py``, ``dir_fd.DirFd.at``)."""
+  with dir_fd.DirFd.at(path.parent, make=True) as d:
+    fd = names.open_at(d.fd, path.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+                       shown=d.path)
   with os.fdopen(fd, "w") as f:
     f.write(text)
     if sync:

@@ -4,8 +4,9 @@ A step is ``<directory>/<step>.orbax-checkpoint-tmp/`` while written, each host 
 its shards of the item ``default`` into it (``write.write_item_part``), renamed to
 ``<step>`` at the commit (``commit.finalize``). A staged shard's number is its leaf's
 (the step's leaves come with its first part), and its id names that leaf; the writer
-takes the staged records as they are. Orbax and TensorStore are imported by
-``write``, ``commit`` and ``read`` inside the functions that use them: this module loads
+takes the staged records as they are. Orbax and TensorStore are imported once for the
+process (``libs.load``: :meth:`OrbaxFormat.load`, a sidecar's start), by ``write``,
+``commit`` and ``read`` inside the functions that use them: importing this module loads
 none of them.
 """
 
@@ -20,9 +21,11 @@ from typing import Any, ClassVar
 import numpy as np
 
 from sidecar._src.ckptfmt import direct_io, records
+from sidecar._src.ckptfmt.dir_fd import DirFd
 from sidecar._src.ckptfmt.format import Allocate, Format, Numbering, Turn, Uncommitted
 from sidecar._src.ckptfmt.orbax import (
   commit as orbax_commit,
+  libs as orbax_libs,
   read as orbax_read,
   write as orbax_write,
 )
@@ -73,12 +76,25 @@ class OrbaxFormat(Format):
   title: ClassVar[str] = "an Orbax checkpoint"
   readers: ClassVar[str] = "ctl.checkpointer (sidecar.jax) or orbax.checkpoint"
 
-  def create_tmp(self, directory: str, step: int) -> pathlib.Path:
-    return orbax_commit.create_tmp_step(directory, step)
+  def installed(self) -> bool:
+    return orbax_libs.installed()
 
-  def begin_tmp(self, directory: str, step: int) -> tuple[pathlib.Path, Callable[[], None]]:
+  def load(self) -> None:
+    try:
+      orbax_libs.load()
+    except ImportError as e:
+      raise errors.InvalidArgumentError(
+          f"format {self.name!r} cannot be written or read by this sidecar: {e}; or save in "
+          "DCP's layout (CheckpointOptions(format=\"dcp\"))") from None
+
+  def create_tmp(self, directory: str, step: int, *, at: DirFd | None = None
+                 ) -> pathlib.Path:
+    return orbax_commit.create_tmp_step(directory, step, at=at)
+
+  def begin_tmp(self, directory: str, step: int, *, at: DirFd | None = None
+                ) -> tuple[pathlib.Path, Callable[[], None]]:
     # The step's _CHECKPOINT_METADATA later: no other host writes it, finalize reads it.
-    tmp = orbax_commit.make_tmp_step(directory, step)
+    tmp = orbax_commit.make_tmp_step(directory, step, at=at)
     return tmp, functools.partial(orbax_commit.write_tmp_metadata, tmp, time.time_ns())
 
   def tmp_of(self, directory: str, step: int) -> str:
@@ -133,7 +149,7 @@ class OrbaxFormat(Format):
 
   def commit(self, tmp_dir: str, manifest: Manifest, *, leaves: Sequence[LeafSpec],
              num_hosts: int, whole_step: bool, extra: Any,
-             swapping: Callable[[], None]) -> str:
+             swapping: Callable[[], None], at: DirFd | None = None) -> str:
     """The manifest, the checks and the metadata files; with ``whole_step`` the step's
     rename (the rename acts on ``tmp_dir``'s parent, the tmp step directory), else the
     item is done and the Orbax CheckpointManager that owns the step commits it."""
@@ -150,7 +166,8 @@ class OrbaxFormat(Format):
           f"({e.strerror}); stage and prepare a step before committing it") from None
     if whole_step:
       return str(orbax_commit.finalize(pathlib.Path(tmp_dir).parent, leaves, num_hosts=num_hosts,
-                                       manifest=records.MANIFEST_FILE, renaming=swapping))
+                                       manifest=records.MANIFEST_FILE, renaming=swapping,
+                                       at=at))
     orbax_commit.finalize_item(tmp_dir, leaves, num_hosts=num_hosts,
                                manifest=records.MANIFEST_FILE)
     return tmp_dir

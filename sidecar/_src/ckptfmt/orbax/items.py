@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from sidecar._src.ckptfmt import names, pinned as pinned_lib
+from sidecar._src.ckptfmt.orbax import libs
 from sidecar._src.ckptfmt.spec import METADATA_FILE
 from sidecar._src.core import errors
 
@@ -101,6 +102,7 @@ def _new(pinned: pinned_lib.Pinned) -> Item:
     meta = json.loads(read_small(pinned, METADATA_FILE))
     context = None
     if pinned.untrusted is None:
+      libs.load()  # once, for the process: never raced
       from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
       context = ts_utils.get_ts_context(use_ocdbt=True)
     return Item(pinned, meta, context)

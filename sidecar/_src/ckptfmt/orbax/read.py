@@ -23,13 +23,13 @@ from typing import Any
 import numpy as np
 
 from sidecar._src.ckptfmt import direct_io, names
-from sidecar._src.ckptfmt.orbax import check, files, items
+from sidecar._src.ckptfmt.orbax import check, files, items, libs
 from sidecar._src.ckptfmt.records import Manifest, SavedLeaf
 from sidecar._src.ckptfmt.spec import Index, KeyPath
 from sidecar._src.core import dtypes as dtypes_lib, errors
 
-# Orbax and TensorStore load with the first checkpoint that needs them (a sidecar starts
-# without them): each function imports what it uses.
+# Orbax and TensorStore are imported once for the process (``libs.load``: a sidecar that
+# serves checkpoints at its start); each function imports what it uses after that load.
 
 def read_leaf(step_dir: os.PathLike | str, key_path: KeyPath,
               index: Sequence[slice | tuple[int, int]] | None = None) -> np.ndarray:
@@ -60,6 +60,7 @@ def read_item_leaf(item_dir: os.PathLike | str, key_path: KeyPath,
 
 def _read_leaf(item: items.Item, key_path: KeyPath,
                index: Sequence[slice | tuple[int, int]] | None) -> np.ndarray:
+  libs.load()  # once, for the process: never raced
   import tensorstore as ts
   from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
   name = _leaf_name(item, key_path)
@@ -277,6 +278,7 @@ def item_leaves(item_dir: os.PathLike | str) -> list[dict[str, Any]]:
   Raises:
     PermissionDeniedError: as :func:`read_item_leaf`, for an array TensorStore must open.
   """
+  libs.load()  # once, for the process: never raced
   import tensorstore as ts
   from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
   with items.opened(pathlib.Path(item_dir).absolute()) as item:

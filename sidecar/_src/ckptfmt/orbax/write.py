@@ -21,13 +21,13 @@ import numpy as np
 
 from sidecar._src.ckptfmt import direct_io, pinned as pinned_lib
 from sidecar._src.ckptfmt.direct_io import background_thread
-from sidecar._src.ckptfmt.orbax import files
+from sidecar._src.ckptfmt.orbax import files, libs
 from sidecar._src.ckptfmt.records import ShardId, ShardRecord, Staged
 from sidecar._src.ckptfmt.spec import Index, LeafKind, LeafSpec
 from sidecar._src.core import errors
 
-# Orbax and TensorStore load with the first checkpoint that needs them (a sidecar starts
-# without them): each function imports what it uses.
+# Orbax and TensorStore are imported once for the process (``libs.load``: a sidecar that
+# serves checkpoints at its start); each function imports what it uses after that load.
 if TYPE_CHECKING:
   from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 
@@ -64,6 +64,7 @@ def write_item_part(item_dir: os.PathLike | str, host_index: int, specs: Sequenc
   ``progress(nbytes)`` is called as each shard becomes durable. Its bytes are written in
   ``turn``s (the storage's bandwidth, shared among a pool's tenants).
   """
+  libs.load()  # once, for the process: never raced
   import tensorstore as ts
   from orbax.checkpoint._src.metadata import array_metadata_store
   from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils

@@ -63,9 +63,12 @@ class SaveFailures:
     handle.durable.add_done_callback(functools.partial(self._ended, handle))
 
   def not_begun(self, handle: SaveHandle) -> None:
-    """``handle``'s save raised as it began: told there, not to be raised again."""
+    """``handle``'s save raised as it began: told there, not to be raised again, nor
+    counted in the row. Its ``durable`` may have failed already, and its callback moved it
+    from the saves pending to the row (a save refused at once, an arena full)."""
     with self._lock:
-      self._pending.remove(handle)
+      self._pending = [h for h in self._pending if h is not handle]
+      self._row = [h for h in self._row if h is not handle]
 
   def lost(self, gone: list[int]) -> None:
     """Hosts ``gone`` were lost: the saves begun before (and those failed in the row) are

@@ -141,7 +141,8 @@ class Checkpoints:
         host_id, tier=self.tier, links=self._links, path=self._path, spawn=self._spawn,
         metrics=metrics, hosts=replica_hosts or links_lib.ReplicaHosts(),
         accept=self.accept_replica)
-    self.jobs = ownership.Jobs(host_id)  # which job holds each directory opened here
+    # Which job holds each directory opened here.
+    self.jobs = ownership.Jobs(host_id, open_dir=self._roots.open)
     self._reaper = threading.Thread(target=self._reap, name="sidecar-ckpt-reaper",
                                     daemon=True)
     self._reaper.start()
@@ -158,6 +159,8 @@ class Checkpoints:
     for own in self.tier.steps():
       own.stop(errors.ClosedError(f"the sidecar of host {self._host_id} is stopping "
                                   f"mid-save of step {own.step}"))
+    self.writer.close(errors.ClosedError(f"the sidecar of host {self._host_id} is stopping "
+                                         "mid-save"))
     deadline = time.monotonic() + timeout
     with self._threads_lock:
       self._stopping = True  # those spawned from now on start at once
@@ -292,13 +295,16 @@ class Checkpoints:
     PermissionDeniedError naming that directory, its owner and the fix."""
     root = self._roots.root_of(resolved)
     assert root is not None  # resolve() checked it
-    try:
-      os.makedirs(resolved, exist_ok=True)
+    try:  # made and claimed through its descriptor, opened from the root: no symlink
+      at = self._roots.open(resolved, make=True)
+    except errors.PermissionDeniedError:
+      raise
     except OSError:
       return  # not writable: the open says so (StepWriter.open)
-    found = roots_lib.foreign_owner(resolved, root, client)
-    if found is None and roots_lib.claim(resolved, client) != client:
-      found = resolved, roots_lib.owner_of(resolved) or ""
+    with at:
+      found = roots_lib.foreign_owner(resolved, root, client)
+      if found is None and roots_lib.claim(resolved, client, at=at) != client:
+        found = resolved, roots_lib.owner_of(resolved) or ""
     if found is not None:
       where, owner = found
       how = ("is" if where == resolved else

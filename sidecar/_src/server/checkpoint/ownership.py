@@ -28,6 +28,11 @@ still be held by one of its sidecars (each lets go on its own; a SIGKILLed proce
 connections close only after its memory is unmapped). Two jobs that open in the same
 instant may both be refused; neither is let in beside the other.
 
+Every lock file is made, opened, tried and removed relative to ``.sidecar-jobs/`` opened
+once, from the checkpoint root with no symlink followed (``Roots.open``): a directory
+swapped for a symlink after the open was checked cannot plant this job's lock in another
+tenant's directory, nor remove one of its own there (issue 76).
+
 ``flock`` holds between processes of one machine and, on NFS, between machines (Linux
 maps it to NFS byte-range locks); on a file system whose locks are local to each machine
 (gcsfuse, some FUSE mounts) it guards each machine alone.
@@ -35,7 +40,6 @@ maps it to NFS byte-range locks); on a file system whose locks are local to each
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import errno
 import fcntl
@@ -49,6 +53,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from sidecar._src.ckptfmt.dir_fd import DirFd
 from sidecar._src.core import errors
 
 log = logging.getLogger(__name__)
@@ -69,10 +74,13 @@ class _Held:
 
 
 class Jobs:
-  """The jobs each checkpoint directory is held by, on one sidecar (``host_id``)."""
+  """The jobs each checkpoint directory is held by, on one sidecar (``host_id``), whose
+  directories ``open_dir`` opens (``Roots.open``: a resolved path from its root, no
+  symlink followed; ``make``: made where missing)."""
 
-  def __init__(self, host_id: int):
+  def __init__(self, host_id: int, *, open_dir: Callable[..., DirFd]):
     self._host_id = host_id
+    self._open_dir = open_dir
     self._lock = threading.Lock()
     self._held: dict[tuple[str, str], _Held] = {}  # (resolved directory, job) -> its lock
 
@@ -90,15 +98,21 @@ class Jobs:
         held.openers.append(alive)
         return
       try:
-        fd = self._hold(directory, job, holder)
+        jobs = self._jobs_dir(directory)
       except OSError as e:
         log.info("not holding %s for job %r: %s", directory, job, e.strerror or e)
         return
-      try:
-        self._refuse_others(directory, job)
-      except BaseException:
-        os.close(fd)
-        raise
+      with jobs:
+        try:
+          fd = self._hold(jobs, job, holder)
+        except OSError as e:
+          log.info("not holding %s for job %r: %s", directory, job, e.strerror or e)
+          return
+        try:
+          self._refuse_others(jobs, directory, job)
+        except BaseException:
+          os.close(fd)
+          raise
       self._held[(directory, job)] = _Held(job, fd, [alive])
 
   def release_gone(self) -> None:
@@ -121,43 +135,44 @@ class Jobs:
         log.info("job %r no longer holds %s: its last opener on host %d is gone", held.job,
                  key[0], self._host_id)
 
-  def _hold(self, directory: str, job: str, holder: str) -> int:
-    """A descriptor of the job's lock file in ``directory``, made if missing, with a
-    shared lock on it (the file it is at once the lock is taken: one removed as a gone
-    job's meanwhile is made again)."""
-    jobs = os.path.join(directory, JOBS_DIR)
-    os.makedirs(jobs, exist_ok=True)
-    path = os.path.join(jobs, f"{hashlib.sha256(job.encode()).hexdigest()[:24]}.lock")
+  def _jobs_dir(self, directory: str) -> DirFd:
+    """``directory``'s ``.sidecar-jobs/``, made where missing, opened from the root."""
+    with self._open_dir(directory, make=True) as d:
+      return d.child(JOBS_DIR, make=True)
+
+  def _hold(self, jobs: DirFd, job: str, holder: str) -> int:
+    """A descriptor of the job's lock file in ``jobs`` (a directory's ``.sidecar-jobs/``),
+    made if missing, with a shared lock on it (the file it is at once the lock is taken:
+    one removed as a gone job's meanwhile is made again)."""
+    name = f"{hashlib.sha256(job.encode()).hexdigest()[:24]}.lock"
     claim = json.dumps({"job": job, "holder": holder, "since": time.strftime("%FT%T%z"),
                         "sidecar": f"host {self._host_id} (pid {os.getpid()} on "
                                    f"{socket.gethostname()})"})
     for _ in range(100):
-      _make(path, claim)
+      _make(jobs, name, claim)
       try:
-        fd = os.open(path, _FLAGS)
+        fd = os.open(name, _FLAGS, dir_fd=jobs.fd)
       except FileNotFoundError:
         continue  # removed as a gone job's between the two: make it again
       try:
         fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while another open tries it
-        if _same_file(fd, path):
+        if _same_file(fd, jobs, name):
           return fd
       except BaseException:
         os.close(fd)
         raise
       os.close(fd)
-    raise OSError(errno.EAGAIN, f"{path} is removed as fast as it is made")
+    raise OSError(errno.EAGAIN, f"{jobs.join(name)} is removed as fast as it is made")
 
-  def _refuse_others(self, directory: str, job: str) -> None:
-    """PermissionDeniedError if another job's lock file in ``directory`` is held; the lock
-    files of jobs that are gone are removed."""
-    jobs = os.path.join(directory, JOBS_DIR)
+  def _refuse_others(self, jobs: DirFd, directory: str, job: str) -> None:
+    """PermissionDeniedError if another job's lock file in ``jobs`` (``directory``'s) is
+    held; the lock files of jobs that are gone are removed."""
     mine = f"{hashlib.sha256(job.encode()).hexdigest()[:24]}.lock"
-    for name in sorted(os.listdir(jobs)):
+    for name in jobs.names():
       if name == mine or not name.endswith(".lock"):
         continue
-      path = os.path.join(jobs, name)
       try:
-        fd = os.open(path, _FLAGS)
+        fd = os.open(name, _FLAGS, dir_fd=jobs.fd)
       except FileNotFoundError:
         continue  # removed meanwhile: gone
       except OSError:  # a symlink, say: nobody's lock; it stays, as nobody holds it
@@ -167,38 +182,36 @@ class Jobs:
           fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
           raise _refusal(directory, _claim_of(fd)) from None
-        if _same_file(fd, path):  # gone: nobody holds it
-          with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+        if _same_file(fd, jobs, name):  # gone: nobody holds it
+          jobs.unlink(name)
       finally:
         os.close(fd)
 
 
-def _make(path: str, claim: str) -> None:
-  """The lock file at ``path``, written whole before it appears (a name of its own, then
-  linked into place) unless one is there."""
-  if os.path.lexists(path):
+def _make(jobs: DirFd, name: str, claim: str) -> None:
+  """The lock file ``name`` in ``jobs``, written whole before it appears (a name of its
+  own, then linked into place) unless one is there."""
+  if jobs.lstat(name) is not None:
     return
-  staged = f"{path}.{secrets.token_hex(6)}"
+  staged = f"{name}.{secrets.token_hex(6)}"
   fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-               0o644)
+               0o644, dir_fd=jobs.fd)
   try:
     os.write(fd, claim.encode())
   finally:
     os.close(fd)
   try:
-    os.link(staged, path)
+    os.link(staged, name, src_dir_fd=jobs.fd, dst_dir_fd=jobs.fd)
   except FileExistsError:
     pass
   finally:
-    os.unlink(staged)
+    jobs.unlink(staged)
 
 
-def _same_file(fd: int, path: str) -> bool:
-  """Whether ``path`` is still the file open at ``fd``."""
-  try:
-    st = os.stat(path, follow_symlinks=False)
-  except FileNotFoundError:
+def _same_file(fd: int, jobs: DirFd, name: str) -> bool:
+  """Whether ``name`` in ``jobs`` is still the file open at ``fd``."""
+  st = jobs.lstat(name)
+  if st is None:
     return False
   own = os.fstat(fd)
   return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)

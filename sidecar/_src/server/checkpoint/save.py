@@ -11,6 +11,14 @@ directories, how parts are numbered, the write engine, the commit) is the step's
 ``ckptfmt.format.Format``, found by name in the ``formats`` registry: nothing here
 branches on a format. ``delete`` and ``abort`` remove only step directories a
 checkpoint wrote.
+
+**One operation, one resolution.** Each phase resolves the paths it is given once, to
+check them (``roots.py``); what it then makes, renames or removes it reaches through the
+directory it acts in, opened once from its checkpoint root with no symlink followed
+(``Roots.open``, ``ckptfmt/dir_fd.DirFd``), and it checks and acts relative to that
+descriptor: a Delete, an Abort, an open's sweep, a Begin's leftover, a commit's rename.
+A directory swapped for a symlink meanwhile is refused, never followed into another
+tenant's (issue 76, attack 1).
 """
 
 from __future__ import annotations
@@ -20,17 +28,13 @@ import functools
 import logging
 import os
 import pathlib
-import shutil
-import stat
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from sidecar._src.ckptfmt import direct_io, records, registry as formats_lib
 from sidecar._src.ckptfmt.direct_io import Turn
-from sidecar._src.ckptfmt.format import Format
-from sidecar._src.ckptfmt.orbax import read as orbax_read
+from sidecar._src.ckptfmt.format import Format, Uncommitted
 from sidecar._src.ckptfmt.phases import Begin, Commit, Stage
 from sidecar._src.ckptfmt.records import AgreePhase, Manifest, ShardRecord, Staged
 from sidecar._src.ckptfmt.spec import LeafSpec
@@ -40,14 +44,13 @@ from sidecar._src.server.checkpoint import (
   begins as begins_lib,
   faults,
   ram_tier,
-  removal,
   roots as roots_lib,
   step as step_lib,
+  step_dirs,
   write as write_lib,
 )
 
 log = logging.getLogger(__name__)
-DELETING = removal.DELETING  # a directory being removed (removal.remove_dir)
 
 
 class StepWriter:
@@ -82,6 +85,9 @@ class StepWriter:
     self._write_turn = write_turn
     self._take_over = take_over
     self._begins = begins_lib.Begins(host_id, tier=tier)  # the saves begun here
+    self._writers = write_lib.Writers(host_id, tier=tier)  # when each step's writer starts
+    # Its directories on disk, through descriptors opened from the roots.
+    self.dirs = step_dirs.StepDirs(host_id, roots=roots, formats=formats)
 
   def open(self, directory: str, ram_steps: int = 1, ram_budget: int | None = None,
            sweep: bool = True, wait_s: float | None = None) -> list[int]:
@@ -92,38 +98,12 @@ class StepWriter:
     ``agreement.py``) are waited for first, at most ``wait_s`` (None: ``LONG_WRITE_S``),
     so that a restarted trainer's restore finds the step its predecessor saved last.
     """
-    path = pathlib.Path(self._path(directory, "directory"))
+    self._path(directory, "directory")
     self._wait_for_commits(directory, write_lib.LONG_WRITE_S if wait_s is None else wait_s)
-    try:
-      path.mkdir(parents=True, exist_ok=True)
-      probe = path / f".sidecar-probe-{uuid.uuid4().hex}"
-      probe.write_bytes(b"ok")
-      probe.unlink()
-    except OSError as e:
-      blocker = _file_in_the_way(path)
-      if blocker is not None:  # no write access would help: a file holds the name
-        raise errors.InvalidArgumentError(
-            f"checkpoint directory {directory!r}: {blocker} is a {_kind(blocker)}, not a "
-            "directory: a checkpoint directory must be a directory; pick another path"
-        ) from None
-      raise errors.InvalidArgumentError(
-          f"checkpoint directory {directory!r} is not writable from sidecar host "
-          f"{self._host_id}: {e.strerror or e}; give the sidecar write access (on Kubernetes, "
-          "mount the same volume in the sidecar container)") from None
-    for gone in path.glob(f".*{DELETING}*") if sweep else ():
-      shutil.rmtree(gone, ignore_errors=True)  # a removal cut short
-    tmps = [t for f in self._formats.formats.values() for t in f.sweep(path)] if sweep else []
-    for tmp in tmps:
-      in_flight = bool(self._tier.in_flight(directory))
-      in_flight = in_flight or self._begins.in_flight_at(pathlib.Path(os.path.realpath(tmp)))
-      if not in_flight:  # a step whose save crashed before its commit
-        removal.remove_dir(tmp)
-        log.warning("removed %s, left by a save that never committed", tmp)
+    steps = self.dirs.open(directory, sweep=sweep, in_flight=lambda tmp: bool(
+        self._tier.in_flight(directory)) or self._begins.in_flight_at(tmp))
     self._tier.configure(directory, ram_steps, ram_budget)
-    # Only numbered directories that hold a checkpoint's marker are steps: an empty
-    # ``999/`` (or one being made by hand) is neither listed nor ever deleted.
-    return [s for s in orbax_read.list_steps(directory)
-            if formats_lib.is_checkpoint(path / str(s), self._formats)]
+    return steps
 
   def _wait_for_commits(self, directory: str, wait_s: float) -> None:
     """Waits for the end (committed or abandoned) of ``directory``'s steps taken over here."""
@@ -177,6 +157,7 @@ class StepWriter:
     directory = begin.directory
     step = roots_lib.as_int(begin.step, "step")
     fmt = self._formats.get(begin.format)
+    fmt.load()  # (loaded at the sidecar's start where installed: else it says what is missing)
     tmp = pathlib.Path(self.tmp_of(directory, step, begin.format))
     if tmp_dir is not None and fmt.staged_dirs(fmt.tmp_of(directory, step))[0] != tmp_dir:
       raise errors.InvalidArgumentError(
@@ -186,7 +167,11 @@ class StepWriter:
           "its step stages into the directory that Begin would answer")
     self._begins.reserve(directory, step, fmt.name, tmp, owner, alive)
     try:
-      made, finish = fmt.begin_tmp(directory, step)
+      # Made in the directory it lies in, opened from the root (a leftover removed there):
+      # the format names it in that directory (a symlink there is in the way, not followed).
+      resolved = self._path(directory, "directory")
+      with self._roots.open(os.path.dirname(fmt.tmp_of(resolved, step)), make=True) as at:
+        made, finish = fmt.begin_tmp(resolved, step, at=at)
       return str(made), finish
     except BaseException as e:
       self._begins.unreserve(tmp, owner)
@@ -200,8 +185,15 @@ class StepWriter:
       raise
 
   def forget_ended(self) -> None:
-    """Forgets the begun saves that are no longer in flight (their trainers gone)."""
+    """The reaper's: forgets the begun saves that are no longer in flight (their trainers
+    gone), and fails the steps begun with nothing staged whose next part never came
+    (``Writers.expire``)."""
     self._begins.forget_ended()
+    self._writers.expire()
+
+  def close(self, why: BaseException) -> None:
+    """The sidecar stops: each step begun with nothing to write yet ends with ``why``."""
+    self._writers.end_all(why)
 
   def begun(self, directory: str, step: int, format: str) -> begins_lib.Begun | None:  # noqa: A002
     """The Begin of step ``step`` of ``directory`` here in flight, if any."""
@@ -252,7 +244,7 @@ class StepWriter:
 
   def stage(self, stage: Stage, *, owner: str = "", worker: str = "",
             alive: Callable[[], bool] | None = None,
-            finish_tmp: Callable[[], None] | None = None) -> int:
+            finish_tmp: Callable[[], None] | None = None, tenant: str | None = None) -> int:
     """Takes the shards of this host a ``stage`` carries (arena views it now holds) and
     starts writing them. ``stage`` is the trainer's, as it sent it (``ckptfmt/phases``);
     ``owner``, ``worker``, ``alive`` and ``finish_tmp`` are what this sidecar knows of
@@ -278,7 +270,10 @@ class StepWriter:
     (``take_over``, which may refuse it: then this call raises). ``alive``: whether the
     trainer whose worker session ``worker`` staged this part is still there.
     ``finish_tmp`` (a part that begins its step: :meth:`begin_staged`): what finishes the
-    step's uncommitted directory, which its writer thread runs before it writes.
+    step's uncommitted directory, which its writer thread runs before it writes. The
+    writer starts with the first part that has something to write; a part that begins a
+    step is refused (ResourceExhaustedError) where ``tenant`` (``owner``, with no tenant)
+    holds ``write.BEGUN_STEPS`` steps being staged here (``write.Writers``).
     """
     directory, tmp_dir, final_dir = stage.directory, stage.tmp_dir, stage.final_dir
     leaves, shards, last, writers = stage.leaves, stage.shards, stage.last, stage.writers
@@ -319,12 +314,14 @@ class StepWriter:
       if own is None or not writing:
         own = step_lib.Step(directory, step, final_dir, tmp_dir=tmp_dir, writers=writers,
                             format=fmt.name, numbering=fmt.numbering(leaves))
+        self._writers.admit(own, tenant=tenant, session=owner)  # (refused: nothing held)
         slot.hold(own)
         phase = step_lib.Phase.STAGING
-        self._spawn(functools.partial(
+        # Its writer thread starts once it has something to write (Writers.staged).
+        self._writers.waiting(own, functools.partial(self._spawn, functools.partial(
             write_lib.write_step, own, fmt, host_id=self._host_id, tier=self._tier,
             metrics=self._metrics, turn=self._write_turn(owner) or direct_io.no_turn,
-            finish_tmp=finish_tmp), name=f"sidecar-ckpt-{step}")
+            finish_tmp=finish_tmp), name=f"sidecar-ckpt-{step}"))
       # (else its writer ran it: a part that begins a step in flight is refused first)
       if phase is step_lib.Phase.STAGED:
         raise errors.InvalidArgumentError(
@@ -346,6 +343,7 @@ class StepWriter:
         raise errors.ClosedError(f"stage: the save of step {step} was aborted on host "
                                  f"{self._host_id} meanwhile") from None
       staged = own.nbytes
+    self._writers.staged(own, something=bool(shards) or last)
     self._metrics.checkpoint_bytes("staged", staged - before)
     if whole and own.plans:
       self._take_over(own)  # before this Stage answers: the sidecars commit it now
@@ -394,7 +392,7 @@ class StepWriter:
     ``DcpCommit``: its metadata, file sizes and plan).
     """
     step = roots_lib.as_int(commit.step, "step")
-    fmt, tmp_dir, _ = self._uncommitted(commit.tmp_dir, "tmp_dir")
+    fmt, tmp_dir, _, tmp_step = self._uncommitted_at(commit.tmp_dir, "tmp_dir")
     own = self._tier.find_tmp(tmp_dir)
     if (own is None or owner not in own.owners or own.step != step
         or own.committed or own.takeover is not step_lib.Takeover.NONE):
@@ -404,27 +402,30 @@ class StepWriter:
           "the save it began, once")
     replicas = (None if commit.replicas is None
                 else {h: list(p) for h, p in commit.replicas.items()})
-    return self._commit(own, fmt, tmp_dir, commit.num_hosts, commit.leaves, commit.shards,
-                        commit.data_state_json, commit.whole_step, replicas, commit.extra)
+    return self._commit(own, fmt, tmp_dir, tmp_step, commit.num_hosts, commit.leaves,
+                        commit.shards, commit.data_state_json, commit.whole_step, replicas,
+                        commit.extra)
 
   def commit_agreed(self, own: step_lib.Step, shards: Sequence[ShardRecord], *,
                     plan: records.CommitPlan) -> str:
     """Commits the step ``own`` (this host's part of it, taken over) with every host's
     written ``shards``, as ``plan`` says (the sidecars agreed: ``agreement.py``), and
     marks it committed in this RAM tier."""
-    fmt, tmp_dir, _ = self._uncommitted(own.tmp_dir, "tmp_dir")
-    committed = self._commit(own, fmt, tmp_dir, len(plan.hosts), own.leaves, shards,
+    fmt, tmp_dir, _, tmp_step = self._uncommitted_at(own.tmp_dir, "tmp_dir")
+    committed = self._commit(own, fmt, tmp_dir, tmp_step, len(plan.hosts), own.leaves, shards,
                              plan.data_state_json, True,
                              {h: list(p) for h, p in plan.replicas.items()} or None, None)
     self._tier.mark_committed(own.final_dir)
     return committed
 
-  def _commit(self, own: step_lib.Step, fmt: Format, tmp_dir: str, num_hosts: int,
-              leaves: Sequence[LeafSpec], shards: Sequence[ShardRecord], data_state: str,
-              whole_step: bool, replicas: dict[int, list[int]] | None, extra: Any) -> str:
+  def _commit(self, own: step_lib.Step, fmt: Format, tmp_dir: str, tmp_step: pathlib.Path,
+              num_hosts: int, leaves: Sequence[LeafSpec], shards: Sequence[ShardRecord],
+              data_state: str, whole_step: bool, replicas: dict[int, list[int]] | None,
+              extra: Any) -> str:
     """:meth:`commit` of ``own``, written here, once checked to be the caller's: one at a
     time with its abort (``Step.commit_gate``: refused once it was aborted; an abort waits
-    for its end)."""
+    for its end). Its renames are relative to the directory ``tmp_step`` (the step's
+    uncommitted directory) lies in, opened from the root."""
     step = own.step
     faults.fault("slowcommit", step)
     own.commit_gate.begin()
@@ -448,9 +449,12 @@ class StepWriter:
                                   replicas=replicas, extras=fmt.manifest_extras(extra))
       faults.fault("commit", step)
       try:
-        committed = fmt.commit(tmp_dir, manifest, leaves=leaves, num_hosts=num_hosts,
-                               whole_step=whole_step, extra=extra,
-                               swapping=lambda: faults.mid_commit(step))
+        with self._roots.open(str(tmp_step.parent)) as at:
+          committed = fmt.commit(tmp_dir, manifest, leaves=leaves, num_hosts=num_hosts,
+                                 whole_step=whole_step, extra=extra,
+                                 swapping=lambda: faults.mid_commit(step), at=at)
+      except errors.SidecarError:
+        raise
       except OSError as e:  # typed wherever the decision goes (a disk's EIO, ENOSPC too)
         raise (write_lib.made_meanwhile("commit", e) if isinstance(e, FileExistsError)
                else write_lib.write_failure(self._host_id, step, own.final_dir, e)) from None
@@ -486,10 +490,21 @@ class StepWriter:
           f"(*{', *'.join(suffixes)}) nor inside one; abort removes only a save's uncommitted "
           "files")
     found = self._formats.of_tmp(pathlib.Path(path))
-    if found is not None and not found[0].made_here(found[1].tmp):
-      raise errors.PermissionDeniedError(
-          f"abort: {str(found[1].tmp)!r:.200} was not made by a save (no mark of one in it); "
-          "abort removes only what a save made: move it away yourself")
+    with self.dirs.parent(path) as at:
+      if found is not None and not self.dirs.made_here(found[0], found[1].tmp, at):
+        raise errors.PermissionDeniedError(
+            f"abort: {str(found[1].tmp)!r:.200} was not made by a save (no mark of one in "
+            "it); abort removes only what a save made: move it away yourself")
+      committed = self._abort(path, final_dir, found, wait_s)
+      if not committed and at is not None:
+        at.remove(os.path.basename(path))  # (a file or a symlink there is left as it is)
+      return committed
+
+  def _abort(self, path: str, final_dir: str,
+             found: tuple[Format, Uncommitted] | None, wait_s: float) -> str:
+    """:meth:`abort`'s decision, its checks passed: where its step was committed here
+    before the abort came (nothing then goes), or "" once the step is forgotten here (its
+    directory is the caller's to remove)."""
     held = self._tier.find(final_dir)
     newer = self._begins.begun(found[1].tmp) if found is not None else None
     if held is not None and newer is not None and newer.at > held.started:
@@ -501,37 +516,15 @@ class StepWriter:
       return committed
     own = self._tier.remove_item(final_dir)
     if own is not None:  # its writer stops before its directory goes
+      self._writers.end(own, errors.ClosedError(f"the save of step {own.step} was aborted"))
       own.wait_written(60)
     self._begins.ended(pathlib.Path(path))
-    removal.remove_dir(pathlib.Path(path))
     return ""
 
   def delete(self, directory: str, step: int, *, set_aside: bool = False) -> str:
-    """Removes a committed step (max_to_keep), or with ``set_aside`` renames it out of
-    the directory's steps (``removal.py``; returns where it went); the sidecar does the I/O.
-
-    Only a step directory a checkpoint wrote goes (one a registered format says is a
-    committed checkpoint of its own); anything else is refused. A step another process
-    removes meanwhile (another host's retention) is gone, as asked: no error ("").
-    """
-    self._path(directory, "directory")
-    step = roots_lib.as_int(step, "step")
-    if step < 0:
-      raise errors.InvalidArgumentError(f"step must be a non-negative int, got {step}")
-    target = pathlib.Path(self._path(str(pathlib.Path(directory) / str(step)), "step directory"))
-    if not target.is_dir():
-      return ""  # gone already
-    if not formats_lib.is_checkpoint(target, self._formats):
-      if not target.exists():
-        return ""  # removed since is_dir (another host's retention): gone, as asked
-      raise errors.InvalidArgumentError(
-          f"delete: {target} is not a checkpoint step directory (no {records.MANIFEST_FILE} nor "
-          f"other mark of a format of {self._formats.names} in it or its items); delete "
-          "removes only steps a checkpoint wrote")
-    if set_aside:
-      return removal.set_aside(target)
-    removal.remove_dir(target)  # (another host's delete may rename it away first: gone, as asked)
-    return ""
+    """Removes a committed step (max_to_keep), or with ``set_aside`` moves it out of the
+    directory's steps (returns where it went): ``StepDirs.delete``."""
+    return self.dirs.delete(directory, step, set_aside=set_aside)
 
 
 def _same_save(own: step_lib.Step, tmp_dir: str, owner: str) -> bool:
@@ -558,26 +551,3 @@ def _check_extra(extra: Any, expected: type | None, what: str) -> None:
   raise errors.InvalidArgumentError(
       f"{what} {expected.__name__ if expected else 'no format extra'}, got "
       f"{type(extra).__name__ if extra is not None else 'none'}")
-
-
-def _file_in_the_way(path: pathlib.Path) -> pathlib.Path | None:
-  """``path`` or the nearest of its parents that exists, if that is no directory (a
-  regular file, a socket): what made ``mkdir`` fail with ``File exists`` or ``Not a
-  directory``; None if it is a directory."""
-  for p in (path, *path.parents):
-    try:
-      st = p.stat()
-    except (FileNotFoundError, NotADirectoryError):  # not there, or under a file
-      continue
-    except OSError:
-      return None  # no access: what the caller says then is right
-    return None if stat.S_ISDIR(st.st_mode) else p
-  return None
-
-
-def _kind(path: pathlib.Path) -> str:
-  """What ``path`` (no directory) is, in words."""
-  mode = path.stat().st_mode
-  return next((name for test, name in ((stat.S_ISREG, "regular file"), (stat.S_ISSOCK, "socket"),
-                                      (stat.S_ISFIFO, "named pipe"))
-               if test(mode)), "file")

@@ -224,8 +224,11 @@ class CheckpointService:
       try:
         session = dict(context.invocation_metadata()).get(protocol.SESSION_KEY)
         self._sessions.use(session)
-        # RESOURCE_EXHAUSTED when full; then the parse.
-        with self._slots.hold(str(session)), contextlib.ExitStack() as inline:
+        # RESOURCE_EXHAUSTED when full; then the parse. The checks of who may act where
+        # and the act see one resolution of each path (a symlink swapped in between them
+        # leads nowhere else).
+        with (self._slots.hold(str(session)), contextlib.ExitStack() as inline,
+              roots_lib.one_resolution()):
           if request_cls is ckpt_pb.CheckpointStageRequest:
             request = self._parse_stage(raw, session, context, inline)
           else:
@@ -338,7 +341,6 @@ class CheckpointService:
                                                  alive=alive)
 
   @_threads_after_answer
-  @roots_lib.resolved_once  # its paths lie in one directory: each resolved once
   def stage(self, r: ckpt_pb.CheckpointStageRequest, context: grpc.ServicerContext
             ) -> ckpt_pb.CheckpointStageResponse:
     _step(r.step)
@@ -353,7 +355,8 @@ class CheckpointService:
       with self._checkpoints.storage_reserved(self._client(context), stage.directory,
                                               sum(s.data.nbytes for s in stage.shards)):
         staged = self._checkpoints.writer.stage(
-            stage, owner=_session(context), worker=worker, alive=alive, finish_tmp=finish_tmp)
+            stage, owner=_session(context), worker=worker, alive=alive, finish_tmp=finish_tmp,
+            tenant=self._client(context))
     except BaseException as e:
       if begun:  # as if never begun: the trainer's abort of a failed begin removes nothing
         self._checkpoints.agreements.abort(stage.final_dir)

@@ -1,20 +1,26 @@
-"""The write of one host's share of a step: its writer thread, and what a failed write says.
+"""The write of one host's share of a step: its writer thread, when it starts, and what a
+failed write says.
 
-One thread per step (``save.StepWriter.stage`` starts it with the step's first part,
-through ``spawn``, so the owner joins it) takes the shards as they are staged
-(``step.Step.arrivals``) and hands them to the step's format (``Format.write``), which
-writes and checksums them on idle-class threads; it ends the step's write
-(``Step.end_write``: WRITTEN with the records as written, or FAILED).
+One thread per step (``save.StepWriter.stage`` starts it through ``spawn``, so the owner
+joins it) takes the shards as they are staged (``step.Step.arrivals``) and hands them to
+the step's format (``Format.write``), which writes and checksums them on idle-class
+threads; it ends the step's write (``Step.end_write``: WRITTEN with the records as
+written, or FAILED). It starts once its step has something to write (:class:`Writers`):
+a step begun with nothing staged holds no thread of its own, and the steps a tenant has
+begun and not staged whole are bounded (:data:`BEGUN_STEPS`): a session that begins steps
+by the hundred gets a refusal, not a thread each (issue 76, attack 9).
 :func:`write_failure` is the error a trainer (or the step's committer) gets for a write
 that failed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
 import re
+import threading
 import time
 from collections.abc import Callable
 
@@ -33,6 +39,107 @@ STAGE_TIMEOUT_S = 60.0
 # The longest a commit "when written" waits for the step's write, and an open for those
 # commits (a restarted trainer's, while its predecessor's last step is written).
 LONG_WRITE_S = 3600.0
+# The steps one tenant (one session, where the sidecar has no tenants) may have begun and
+# not yet staged whole on a sidecar at once: each may hold a writer thread waiting for its
+# next part. A trainer stages one step at a time (a few checkpointers: a few).
+BEGUN_STEPS = 16
+
+
+@dataclasses.dataclass
+class _Waiting:
+  """A step begun with nothing to write yet: what starts its writer, and when its last
+  part came."""
+  start: Callable[[], None]
+  since: float = dataclasses.field(default_factory=time.monotonic)
+
+
+class Writers:
+  """When each step's writer thread starts, on one sidecar (``host_id``) over its RAM
+  ``tier``, and how many steps each tenant holds begun.
+
+  A step's writer (:func:`write_step`, started by the ``start`` :meth:`waiting` was given)
+  starts at the first Stage that gives it something to write: shards, or its last part
+  (:meth:`staged`). Until then the step waits here with no thread; the owner's reaper
+  (``Checkpoints._reap``) calls :meth:`expire`, which fails one whose next part has not
+  come for ``STAGE_TIMEOUT_S`` as its writer would have (and ends one dropped meanwhile),
+  so that whoever waits for its write's end is told. A step of a save aborted, or of a
+  sidecar that stops, ends at once (:meth:`end`).
+  """
+
+  def __init__(self, host_id: int, *, tier: ram_tier.RamTier):
+    self._host_id = host_id
+    self._tier = tier
+    self._lock = threading.Lock()
+    self._waiting: dict[step_lib.Step, _Waiting] = {}
+    # Each step begun here and whose: ("tenant", name) or ("session", its id).
+    self._holders: dict[step_lib.Step, tuple[str, str]] = {}
+
+  def admit(self, own: step_lib.Step, *, tenant: str | None, session: str) -> None:
+    """Records the new step ``own``, begun by ``session`` (of ``tenant``), unless that
+    tenant (the session, with no tenant) holds :data:`BEGUN_STEPS` steps being staged
+    here already: ResourceExhaustedError naming the bound and the tenant then."""
+    holder = ("tenant", tenant) if tenant is not None else ("session", session)
+    with self._lock:
+      for gone in [s for s in self._holders if s.phase is not step_lib.Phase.STAGING]:
+        del self._holders[gone]
+      held = sum(1 for h in self._holders.values() if h == holder)
+      if held >= BEGUN_STEPS:
+        who = f"tenant {tenant!r}" if tenant is not None else "this session"
+        raise errors.ResourceExhaustedError(
+            f"stage: {who} holds {held} steps begun and not staged whole on host "
+            f"{self._host_id}, the most one may (BEGUN_STEPS = {BEGUN_STEPS}); stage each "
+            "step whole (or abort it) before beginning another")
+      self._holders[own] = holder
+
+  def waiting(self, own: step_lib.Step, start: Callable[[], None]) -> None:
+    """``own`` was just begun: ``start`` starts its writer once it has something to write."""
+    with self._lock:
+      self._waiting[own] = _Waiting(start)
+
+  def staged(self, own: step_lib.Step, *, something: bool) -> None:
+    """A Stage of ``own`` was taken: with ``something`` (shards, or its last part) its
+    writer starts now, if it waits; else its wait starts again."""
+    with self._lock:
+      found = self._waiting.get(own)
+      if found is None:
+        return
+      if not something:
+        found.since = time.monotonic()
+        return
+      del self._waiting[own]
+    found.start()
+
+  def expire(self) -> None:
+    """The reaper's: fails each waiting step whose next part has not come for
+    ``STAGE_TIMEOUT_S`` (as its writer would have), and ends each dropped meanwhile."""
+    now = time.monotonic()
+    with self._lock:
+      due = [s for s, w in self._waiting.items()
+             if s.phase is not step_lib.Phase.STAGING or now - w.since >= STAGE_TIMEOUT_S]
+      for own in due:
+        del self._waiting[own]
+    for own in due:
+      if own.phase is step_lib.Phase.STAGING:
+        log.warning("step %d: no part staged for %g s after it was begun; its save is "
+                    "dropped here", own.step, STAGE_TIMEOUT_S, extra={"step": own.step})
+      _failed(own, self._tier, errors.DeadlineExceededError(
+          f"step {own.step}: no part staged for {STAGE_TIMEOUT_S:g} s; the trainer stopped "
+          "mid-save"))
+
+  def end(self, own: step_lib.Step, why: BaseException) -> None:
+    """``own`` (aborted, dropped) ends now if it waits with no writer: ``why`` is its
+    write's end, and whoever waits for that end is told."""
+    with self._lock:
+      found = self._waiting.pop(own, None)
+    if found is not None:
+      _failed(own, self._tier, why)
+
+  def end_all(self, why: BaseException) -> None:
+    """The sidecar stops: every step waiting with no writer ends with ``why``."""
+    with self._lock:
+      waiting, self._waiting = list(self._waiting), {}
+    for own in waiting:
+      _failed(own, self._tier, why)
 
 
 def write_step(own: step_lib.Step, fmt: Format, *, host_id: int, tier: ram_tier.RamTier,
@@ -85,20 +192,25 @@ def write_step(own: step_lib.Step, fmt: Format, *, host_id: int, tier: ram_tier.
     e.__context__ = e.__cause__ = None  # and so would those of the exceptions it chains
     log.error("step %d: writing this host's part failed: %s", own.step, e,
               extra={"step": own.step})
-    # Not whole, and its trainers known gone (mid-save: nobody will commit or abort it):
-    # it goes. A trainer there, or one whose liveness is not known (no worker session: it
-    # stages inline), learns the failure from its next Stage (as one that races this end
-    # does), its prepared or its commit, and aborts the save; meanwhile the step keeps its
-    # error, not its bytes, and expires as an uncommitted step does (a trainer that never
-    # comes back leaves its record, no shard in it, for uncommitted_s: its error, owners
-    # and leaf specs).
-    if own.end_write(error=error) is step_lib.Phase.STAGING:
-      if own.trainers_alive() is False:
-        tier.remove(own)
-      else:
-        own.let_go()
+    _failed(own, tier, error)
     return
   own.end_write(written)
+
+
+def _failed(own: step_lib.Step, tier: ram_tier.RamTier, error: BaseException) -> None:
+  """Ends the write of ``own`` with ``error`` (a dropped step's: recorded only).
+
+  Not whole, and its trainers known gone (mid-save: nobody will commit or abort it): it
+  goes. A trainer there, or one whose liveness is not known (no worker session: it stages
+  inline), learns the failure from its next Stage (as one that races this end does), its
+  prepared or its commit, and aborts the save; meanwhile the step keeps its error, not its
+  bytes, and expires as an uncommitted step does (a trainer that never comes back leaves
+  its record, no shard in it, for uncommitted_s: its error, owners and leaf specs)."""
+  if own.end_write(error=error) is step_lib.Phase.STAGING:
+    if own.trainers_alive() is False:
+      tier.remove(own)
+    else:
+      own.let_go()
 
 
 def made_meanwhile(rpc: str, e: FileExistsError) -> errors.PermissionDeniedError:

@@ -20,7 +20,7 @@ import threading
 import numpy as np
 import pytest
 
-from sidecar._src.ckptfmt import registry as formats_lib
+from sidecar._src.ckptfmt import dir_fd, registry as formats_lib
 from sidecar._src.ckptfmt.records import MANIFEST_FILE, CommitPlan, Manifest
 from sidecar._src.ckptfmt.spec import COMMIT_SUCCESS_FILE, LeafKind, LeafSpec
 from sidecar._src.controller.checkpoint.client import CheckpointClient
@@ -131,13 +131,13 @@ def test_a_disk_error_in_the_sidecars_commit_is_a_checkpoint_write_error_everywh
   tmp_step = pathlib.Path(f"{directory}/{STEP}.orbax-checkpoint-tmp")
   target = Target.for_step(formats_lib.DEFAULT.get("orbax"), directory, STEP).begun(
       str(tmp_step))
-  rename = os.rename
+  rename = dir_fd.DirFd.rename
 
-  def on_a_failing_disk(src, dst, *args, **kwargs):  # the step's rename, in the sidecar
-    if os.fspath(src) == str(tmp_step):
-      raise OSError(errno.EIO, os.strerror(errno.EIO), os.fspath(src))
-    return rename(src, dst, *args, **kwargs)
-  monkeypatch.setattr(os, "rename", on_a_failing_disk)
+  def on_a_failing_disk(self, src, dst):  # the step's rename, in its directory opened
+    if self.join(src) == str(tmp_step):
+      raise OSError(errno.EIO, os.strerror(errno.EIO), self.join(src))
+    return rename(self, src, dst)
+  monkeypatch.setattr(dir_fd.DirFd, "rename", on_a_failing_disk)
   caplog.set_level(logging.INFO, logger="sidecar")
   for host, raw in enumerate(raws):
     stage(raw, host, directory, pathlib.Path(target.tmp_dir), target.final_dir)

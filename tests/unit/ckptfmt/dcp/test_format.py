@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from sidecar._src.ckptfmt.dcp import DcpPart, Item, ItemKind
-from sidecar._src.ckptfmt.dcp.format import ItemNumbering
+from sidecar._src.ckptfmt.dcp.format import MAX_RANKS, ItemNumbering
 from sidecar._src.ckptfmt.records import ShardId, Staged
 from sidecar._src.core import errors
 
@@ -69,3 +69,16 @@ def test_a_record_out_of_its_ranks_part_is_refused(staged, match):
   with pytest.raises(errors.InvalidArgumentError, match=match):
     numbering.take(DcpPart(3, 2), [staged])
   assert numbering.counts == {}  # nothing recorded
+
+
+def test_a_step_takes_the_parts_of_at_most_max_ranks_ranks():
+  # Each rank's file has a writer thread of its own: a client naming a new rank in each
+  # part started one each, unbounded (issue 76, the threads a Stage starts).
+  numbering = ItemNumbering()
+  for rank in range(MAX_RANKS):
+    numbering.take(DcpPart(rank, 1), [Staged(ITEMS[1].record(0, rank, BLOB), BLOB)])
+  with pytest.raises(errors.InvalidArgumentError,
+                     match=rf"^dcp.rank 999: this step has the parts of {MAX_RANKS} ranks on "
+                           rf"this sidecar already, the most one step may \(MAX_RANKS"):
+    numbering.take(DcpPart(999, 1), [Staged(ITEMS[1].record(0, 999, BLOB), BLOB)])
+  numbering.take(DcpPart(0, 1), [])  # a rank it has: taken

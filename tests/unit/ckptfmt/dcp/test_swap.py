@@ -3,7 +3,6 @@ file system has one (``renameat2``'s exchange), and where it has none, two renam
 cut-short state the next open or save recovers, never deleting the only complete copy."""
 
 import os
-import pathlib
 
 import pytest
 
@@ -36,7 +35,7 @@ def test_an_overwrite_swaps_in_one_step_and_leaves_only_the_new_copy(tmp_path):
 
 
 def test_without_an_exchange_a_cut_overwrite_is_recovered_not_deleted(tmp_path, monkeypatch):
-  monkeypatch.setattr(distcp, "_exchange", lambda a, b: False)
+  monkeypatch.setattr(distcp, "_exchange", lambda d, a, b: False)
   path = tmp_path / "ckpt"
   commit(path, "old")
 
@@ -81,7 +80,7 @@ def test_a_cut_overwrite_another_host_puts_back_first_is_left_to_it(tmp_path, mo
   the old copy to put back, the other renames it first. This open's own rename then
   found nothing (ENOENT failed the open); the copy is back, which is all it asked."""
   from sidecar._src.ckptfmt.dcp.format import DcpFormat
-  monkeypatch.setattr(distcp, "_exchange", lambda a, b: False)
+  monkeypatch.setattr(distcp, "_exchange", lambda d, a, b: False)
   path = tmp_path / "ckpt"
   commit(path, "old")
 
@@ -89,14 +88,14 @@ def test_a_cut_overwrite_another_host_puts_back_first_is_left_to_it(tmp_path, mo
     raise Killed
   with pytest.raises(Killed):
     commit(path, "new", swapping=die)
-  real, old = distcp.is_checkpoint, distcp.old_path(path)
+  real, old = distcp._is_checkpoint_in, distcp.old_path(path)
 
-  def other_host_first(p):
-    found = real(p)
-    if found and pathlib.Path(p) == old:
+  def other_host_first(d, name):
+    found = real(d, name)
+    if found and name == old.name:
       os.rename(old, path)  # the other sidecar's recover, between this one's check and rename
     return found
-  monkeypatch.setattr(distcp, "is_checkpoint", other_host_first)
+  monkeypatch.setattr(distcp, "_is_checkpoint_in", other_host_first)
   assert DcpFormat().sweep(tmp_path) == [path.with_name("ckpt" + distcp.TMP_SUFFIX)]
   assert (path / "tag").read_text() == "old" and not old.exists()
 

@@ -14,7 +14,7 @@ import threading
 import numpy as np
 import pytest
 
-from sidecar._src.ckptfmt import records, registry as formats_lib, spec as spec_lib
+from sidecar._src.ckptfmt import dir_fd, records, registry as formats_lib, spec as spec_lib
 from sidecar._src.ckptfmt.dcp import distcp
 from sidecar._src.ckptfmt.orbax.format import OrbaxFormat
 from sidecar._src.ckptfmt.phases import Begin, Commit, Stage
@@ -367,7 +367,7 @@ def test_a_begin_that_loses_the_race_to_another_sidecars_begin_says_so(make_writ
 
   def rmtree(path, *args, **kwargs):  # theirs makes the directory just after ours cleared it
     real(path, *args, **kwargs)
-    if pending and pathlib.Path(path) == pending[0]:
+    if pending and pathlib.Path(path).name == pending[0].name:  # (relative to its directory)
       pending.clear()
       theirs.begin(Begin(directory, 5, "orbax"), owner="b")
   monkeypatch.setattr(shutil, "rmtree", rmtree)
@@ -392,8 +392,8 @@ class HeldFinish(Recording):
     self.finished_on = []  # the threads that finished a directory
     self.fail_finishing = fail
 
-  def begin_tmp(self, directory, step):
-    tmp, finish = super().begin_tmp(directory, step)
+  def begin_tmp(self, directory, step, **kw):
+    tmp, finish = super().begin_tmp(directory, step, **kw)
 
     def later():
       self.finishing.set()
@@ -509,10 +509,11 @@ class Pruned(OrbaxFormat):
     self.step, self.when = step, when
 
   def is_checkpoint(self, path):
-    if path == self.step and self.when == "check":
+    this = os.path.realpath(path) == str(self.step)  # (asked through its descriptor)
+    if this and self.when == "check":
       shutil.rmtree(self.step)
     found = super().is_checkpoint(path)
-    if path == self.step and self.when == "rename" and found:
+    if this and self.when == "rename" and found:
       shutil.rmtree(self.step)
     return found
 
@@ -554,13 +555,13 @@ def test_an_uncommitted_directory_is_never_seen_half_removed(make_writer, tmp_pa
   def watched(path, *args, **kwargs):
     seen.append((pathlib.Path(path).name, tmp.exists()))
     return real(path, *args, **kwargs)
-  monkeypatch.setattr(checkpoint_save.shutil, "rmtree", watched)
+  monkeypatch.setattr(dir_fd.shutil, "rmtree", watched)
   if how == "abort":
     writer.abort(str(tmp), str(tmp_path / "ck" / "ckpt"))
   else:
     writer.open(str(tmp_path / "ck"))
   assert [there for _, there in seen] == [False]  # its name was gone when its files went
-  assert seen[0][0].startswith(f".{tmp.name}{checkpoint_save.DELETING}")
+  assert seen[0][0].startswith(f".{tmp.name}{dir_fd.DELETING}")
   assert os.listdir(tmp_path / "ck") == []
 
 
@@ -656,3 +657,19 @@ def test_another_sessions_begin_during_a_commit_is_refused_and_removes_nothing(
     commit.join(60)
   assert committed == [str(tmp_path / "ck" / "3")]
   assert os.listdir(directory) == ["3"]
+
+
+@pytest.mark.parametrize("fmt, name", [("orbax", "5.orbax-checkpoint-tmp"),
+                                       ("dcp", "m.dcp-checkpoint-tmp")], ids=["orbax", "dcp"])
+def test_a_symlink_where_a_steps_uncommitted_directory_goes_is_in_the_way_not_followed(
+    make_writer, tmp_path, fmt, name):
+  writer, _ = make_writer(Recording())
+  directory = tmp_path / "ck"
+  writer.open(str(directory))
+  (tmp_path / "elsewhere").mkdir()
+  (tmp_path / "elsewhere" / "keep").write_text("")
+  (directory / name).symlink_to(tmp_path / "elsewhere")
+  with pytest.raises(errors.PermissionDeniedError):
+    writer.begin(Begin(str(directory / "m") if fmt == "dcp" else str(directory), 5, fmt),
+                 owner="a")
+  assert (directory / name).is_symlink() and os.listdir(tmp_path / "elsewhere") == ["keep"]
