@@ -20,7 +20,8 @@ STRANGER = "127.0.0.2"
 
 
 def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
-  return struct.pack(">I", len(payload))[1:] + bytes([kind, flags]) + struct.pack(">I", stream) + payload
+  head = struct.pack(">I", len(payload))[1:] + bytes([kind, flags]) + struct.pack(">I", stream)
+  return head + payload
 
 
 def _literal(name: bytes, value: bytes) -> bytes:

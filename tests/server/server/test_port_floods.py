@@ -7,6 +7,9 @@ The bounds are made small here (a few connections show what 2,048 did);
 ``sidecar serve`` with its defaults.
 """
 
+import contextlib
+import time
+
 import grpc
 import pytest
 
@@ -48,3 +51,86 @@ def test_a_refused_call_says_why_having_read_nothing(make_server):
       status(b"", timeout=5)
   assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
   assert "missing or wrong token" in info.value.details()
+
+
+# ---- the health port --------------------------------------------------------------------------
+
+
+def test_watch_streams_without_a_token_keep_no_health_check_out(make_server):
+  """Attack 3: before, 64 connections holding a Watch each took the health port (every
+  new check refused, still 31 s later); now a new probe gets in, ahead of them."""
+  server = make_server()
+  held = h2_flood.watches(server.health_port, 64)
+  try:
+    for _ in range(3):
+      assert h2_flood.check(server.health_port) == "SERVING"
+  finally:
+    for channel, _ in held:
+      channel.close()
+
+
+@pytest.mark.parametrize("source", [h2_flood.STRANGER, "127.0.0.1"], ids=["another-peer",
+                                                                           "the-probes-peer"])
+def test_idle_connections_keep_no_health_check_out(make_server, source):
+  server = make_server()
+  conns = h2_flood.idle(server.health_port, 200, source=source)
+  try:
+    assert h2_flood.check(server.health_port) == "SERVING"
+    assert h2_flood.open_count(conns) <= 8  # its peer's share, the rest given way
+  finally:
+    h2_flood.close(conns)
+
+
+def test_checks_whose_request_never_comes_keep_no_health_check_out(make_server):
+  """A Check's request is read in a server thread: one that never comes held it. Each
+  connection has one stream and a thread of its own now."""
+  server = make_server()
+  conns = h2_flood.idle(server.health_port, 8)
+  for sock in conns:
+    h2_flood.half_open(sock, "/grpc.health.v1.Health/Check", 16)
+  try:
+    assert h2_flood.check(server.health_port) == "SERVING"
+  finally:
+    h2_flood.close(conns)
+
+
+def test_a_health_connection_is_closed_once_idle_or_old(make_server, monkeypatch):
+  from sidecar._src.server.ports import health_port
+  monkeypatch.setattr(health_port, "HEALTH_IDLE_S", 0.5)
+  monkeypatch.setattr(health_port, "HEALTH_LIFE_S", 1.0)
+  server = make_server()
+  quiet = h2_flood.connect(server.health_port)
+  talking = h2_flood.connect(server.health_port)
+  try:
+    with contextlib.suppress(OSError):  # a ping every 0.1 s: never idle, but old after 1 s
+      for _ in range(12):
+        talking.sendall(h2_flood.frame(6, 0, 0, b"12345678"))
+        time.sleep(0.1)
+    assert h2_flood.within(lambda: h2_flood.open_count([quiet, talking]) == 0, 5) is not None
+    assert h2_flood.check(server.health_port) == "SERVING"
+  finally:
+    h2_flood.close([quiet, talking])
+
+
+def test_watch_streams_are_bounded(make_server, tmp_path):
+  from sidecar._src.server.ports import health
+  server = make_server(listen=f"unix:{tmp_path}/grpc.sock")  # health on the one socket
+  channel = grpc.insecure_channel(server.address)
+  try:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    stub = health_pb2_grpc.HealthStub(channel)
+    held = [stub.Watch(health_pb2.HealthCheckRequest()) for _ in range(health.WATCHES)]
+    for responses in held:
+      assert next(responses).status == health_pb2.HealthCheckResponse.SERVING
+    with pytest.raises(grpc.RpcError) as info:
+      next(stub.Watch(health_pb2.HealthCheckRequest()))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "Watch streams open, its limit" in info.value.details()
+    held.pop().cancel()  # one ends: its place comes back
+    assert h2_flood.within(lambda: server._health.watching < health.WATCHES, 5) is not None
+    assert next(stub.Watch(health_pb2.HealthCheckRequest())).status == (
+        health_pb2.HealthCheckResponse.SERVING)
+    assert stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status == (
+        health_pb2.HealthCheckResponse.SERVING)
+  finally:
+    channel.close()
