@@ -47,7 +47,11 @@ from sidecar._src.server.limits import (
 )
 from sidecar._src.server.pool import departures as departures_lib, pool_file
 from sidecar._src.server.pool.tenant_checks import TenantCalls, TenantCheckpoints
-from sidecar._src.server.ports import health as health_lib, health_port as health_port_lib
+from sidecar._src.server.ports import (
+  health as health_lib,
+  health_port as health_port_lib,
+  strangers as strangers_lib,
+)
 from sidecar._src.server.service import Service
 from sidecar._src.server.tenancy import quotas as quotas_lib, tenants as tenants_lib
 from sidecar._src.server.workers.workers import WorkerListener
@@ -61,6 +65,10 @@ log = logging.getLogger(__name__)
 # Controllers ping every half peer timeout (at most every 10 s) while a stream is quiet,
 # to find a stopped sidecar: those pings are welcome, not strikes toward a GOAWAY.
 KEEPALIVE_OPTIONS = (("grpc.http2.min_ping_interval_without_data_ms", 100),)
+# Streams one connection of the control port may have open at once (a Controller keeps at
+# most 8 calls, 8 checkpoint rpcs and its feeds' streams in flight): past it, the client
+# waits for one to end. A client without a token opens them in vain: each is refused at once.
+STREAMS_PER_CONNECTION = 128
 # The health port answers the kubelet, which opens a connection per probe: a few at once.
 HEALTH_CONNECTIONS = health_port_lib.HEALTH_CONNECTIONS
 # The soft descriptor limit a sidecar raises itself to (within the hard one): its ports'
@@ -247,16 +255,23 @@ class Server:
     msg = [("grpc.max_receive_message_length", o.max_message_size),
            ("grpc.max_send_message_length", o.max_message_size),
            ("grpc.so_reuseport", 0), *KEEPALIVE_OPTIONS,
-           ("grpc.max_allowed_incoming_connections", o.max_connections), handshake]
+           ("grpc.max_allowed_incoming_connections", o.max_connections), handshake,
+           ("grpc.max_connection_idle_ms", int(o.connection_idle_s * 1000)),
+           ("grpc.max_concurrent_streams", STREAMS_PER_CONNECTION)]
     # Streams and checkpoint rpcs have budgets of their own: streams that never send a
     # credit, or saves that wait on a slow disk, cannot take the threads of handshakes,
     # calls and status.
     self._executors = [futures.ThreadPoolExecutor(o.threads + o.max_streams + CHECKPOINT_THREADS,
                                                   thread_name_prefix="sidecar-rpc")]
-    self._grpc = grpc.server(self._executors[0], options=msg,
-                             interceptors=[credentials.TokenAuth(tokens_holder,
-                                                      mtls=o.tls_client_ca is not None)]
-                             if tokens or tokens_holder.tls else [])
+    interceptors: list[grpc.ServerInterceptor] = []
+    if tokens or tokens_holder.tls:
+      interceptors.append(credentials.TokenAuth(tokens_holder, mtls=o.tls_client_ca is not None))
+    # Over TCP, the connections that carried an RPC past the token: the others are
+    # strangers, bounded per peer and in time (ports/strangers.py).
+    self._admitted = strangers_lib.Admitted() if o.unix is None else None
+    if self._admitted is not None:
+      interceptors.append(self._admitted)
+    self._grpc = grpc.server(self._executors[0], options=msg, interceptors=interceptors)
     checkpoint = CheckpointService(checkpoints=self.checkpoints, arena_io=self.arena_io,
                                    sessions=sessions, metrics=self.metrics,
                                    per_client=named,
@@ -276,6 +291,9 @@ class Server:
                              credentials.tls_credentials(o))
       self.address = f"{_dialable(o.listen)}:{self.port}"
       self._grpc.start()
+      assert self._admitted is not None
+      self.strangers = strangers_lib.Strangers(self.port, self._admitted,
+                                               grace_s=o.handshake_timeout_s).start()
       self._serve_health(o, handshake)
     if isinstance(self.metrics, metrics_lib.Metrics):
       assert o.metrics_port is not None  # TCP always; a unix: sidecar's on loopback
@@ -519,8 +537,9 @@ class Server:
       self._health.enter_graceful_shutdown()
     if isinstance(self.metrics, metrics_lib.Metrics):
       self.metrics.close()
-    if getattr(self, "health_front", None) is not None:
-      self.health_front.close()
+    for name in ("strangers", "health_front"):
+      if getattr(self, name, None) is not None:
+        getattr(self, name).close()
     for name in ("_grpc", "_health_grpc"):
       server = getattr(self, name, None)
       if server is not None:

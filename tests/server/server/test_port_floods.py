@@ -15,18 +15,31 @@ import pytest
 
 import sidecar
 from sidecar._src.wire import protocol
+from sidecar._src.wire.protocol import pb
 from tests.support import h2_flood
 
 pytestmark = pytest.mark.server
 TOKEN = "alice-token-0123456789abcdef"
 
 
-def alice_connects(server, timeout: float = 10.0) -> list:
-  """A new Controller of alice's (a new channel, a new connection): its handshake and one
-  call, within ``timeout`` s."""
-  with sidecar.jax.Controller([f"127.0.0.1:{server.port}"], token=TOKEN, timeout=timeout,
-                              connect_timeout=timeout) as ctl:
-    return ctl.call("add", args=(2,), kwargs={"b": 3})
+def alice_connects(server, timeout: float = 10.0) -> bool:
+  """A new client of alice's (a channel of its own: a new connection, never one another
+  channel of this process shares) handshakes and asks Status, within ``timeout`` s, as a
+  Controller does (gRPC connects again, with its backoff, until the deadline)."""
+  with grpc.insecure_channel(f"127.0.0.1:{server.port}",
+                             options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+    auth = ((protocol.AUTH_KEY, f"Bearer {TOKEN}"),)
+    reply = channel.unary_unary(
+        f"/{protocol.SERVICE}/Handshake", request_serializer=pb.HandshakeRequest.SerializeToString,
+        response_deserializer=pb.HandshakeResponse.FromString)(
+            pb.HandshakeRequest(versions=protocol.local_versions(), client="alice"),
+            metadata=auth, timeout=timeout, wait_for_ready=True)
+    status = channel.unary_unary(
+        f"/{protocol.SERVICE}/Status", request_serializer=pb.StatusRequest.SerializeToString,
+        response_deserializer=pb.StatusResponse.FromString)(
+            pb.StatusRequest(), metadata=(*auth, (protocol.SESSION_KEY, reply.session)),
+            timeout=timeout)
+  return status.arena_size > 0
 
 
 def test_calls_without_a_token_whose_request_never_comes_hold_no_thread(make_server):
@@ -38,7 +51,7 @@ def test_calls_without_a_token_whose_request_never_comes_hold_no_thread(make_ser
     h2_flood.half_open(sock, f"/{protocol.SERVICE}/Status", 64)
     h2_flood.half_open(sock, f"/{protocol.SERVICE}/Call", 32, first=129,
                        metadata=((protocol.AUTH_KEY, "Bearer wrong"),))
-    assert alice_connects(server, timeout=5) == [5]
+    assert alice_connects(server, timeout=5)
   finally:
     h2_flood.close([sock])
 
@@ -51,6 +64,56 @@ def test_a_refused_call_says_why_having_read_nothing(make_server):
       status(b"", timeout=5)
   assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
   assert "missing or wrong token" in info.value.details()
+
+
+@pytest.fixture
+def quick_scans(monkeypatch):
+  from sidecar._src.server.ports import strangers
+  monkeypatch.setattr(strangers, "SCAN_S", 0.1)
+  monkeypatch.setattr(strangers, "BUSY_SCAN_S", 0.1)
+
+
+@pytest.mark.parametrize("source", [h2_flood.STRANGER, "127.0.0.1"], ids=["another-peer",
+                                                                           "alices-peer"])
+def test_idle_connections_without_a_token_keep_no_new_client_out(make_server, quick_scans,
+                                                                 source):
+  """Attack 4: before, as many idle HTTP/2 connections as the port keeps locked every new
+  client out (2,048 by default; 64 here), 15 s later as at once."""
+  server = make_server(token=TOKEN, max_connections=64, handshake_timeout_s=2.0)
+  with sidecar.jax.Controller([f"127.0.0.1:{server.port}"], token=TOKEN) as before:
+    flood = h2_flood.idle(server.port, 64, source=source)
+    try:
+      assert alice_connects(server)  # a new client
+      assert before.call("add", args=(1,), kwargs={"b": 1}) == [2]  # and her old one
+      # Past its peer's share at once (16), the rest after the grace: all gone.
+      assert h2_flood.within(lambda: h2_flood.open_count(flood) == 0, 10) is not None
+      assert before.call("add", args=(1,), kwargs={"b": 1}) == [2]  # never a stranger
+    finally:
+      h2_flood.close(flood)
+
+
+def test_a_peer_keeps_few_strangers_and_the_oldest_go_first(make_server, quick_scans):
+  from sidecar._src.server.ports import strangers
+  server = make_server(token=TOKEN, handshake_timeout_s=60.0)
+  old = h2_flood.idle(server.port, 10)
+  assert h2_flood.within(lambda: server.strangers.scan() is not None and len(
+      [c for c in server.strangers._known.values() if c]) >= 10, 5) is not None
+  new = h2_flood.idle(server.port, strangers.STRANGERS_PER_PEER)
+  try:
+    assert h2_flood.within(lambda: h2_flood.open_count(old) == 0, 5) is not None
+    assert h2_flood.open_count(new) == strangers.STRANGERS_PER_PEER
+  finally:
+    h2_flood.close(old + new)
+
+
+def test_an_idle_connection_is_closed_and_its_client_connects_again(make_server):
+  server = make_server(token=TOKEN, connection_idle_s=0.5)
+  with sidecar.jax.Controller([f"127.0.0.1:{server.port}"], token=TOKEN) as ctl:
+    assert ctl.status()[0].arena_size > 0  # over gRPC
+    accepted = lambda: list(server.strangers._connections(time.monotonic()).values())
+    assert h2_flood.within(lambda: not accepted(), 10) is not None  # closed by the sidecar
+    assert ctl.status()[0].arena_size > 0
+    assert ctl.call("add", args=(2,), kwargs={"b": 4}) == [6]
 
 
 # ---- the health port --------------------------------------------------------------------------
