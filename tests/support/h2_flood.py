@@ -12,6 +12,9 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from sidecar._src.wire import protocol
+from sidecar._src.wire.protocol import pb
+
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 SETTINGS, HEADERS, DATA = 4, 1, 0
 END_STREAM, END_HEADERS, ACK = 0x1, 0x4, 0x1
@@ -126,3 +129,22 @@ def within(predicate, timeout: float) -> float | None:
       return time.monotonic() - start
     time.sleep(0.05)
   return None
+
+
+def new_client(address: str, token: str, *, timeout: float = 10.0) -> bool:
+  """A new client (a channel of its own: a new connection, never one another channel of
+  this process shares) handshakes with ``token`` and asks Status within ``timeout`` s, as
+  a Controller does (gRPC connects again, with its backoff, until the deadline)."""
+  with grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+    auth = ((protocol.AUTH_KEY, f"Bearer {token}"),)
+    reply = channel.unary_unary(
+        f"/{protocol.SERVICE}/Handshake", request_serializer=pb.HandshakeRequest.SerializeToString,
+        response_deserializer=pb.HandshakeResponse.FromString)(
+            pb.HandshakeRequest(versions=protocol.local_versions(), client="a new client"),
+            metadata=auth, timeout=timeout, wait_for_ready=True)
+    status = channel.unary_unary(
+        f"/{protocol.SERVICE}/Status", request_serializer=pb.StatusRequest.SerializeToString,
+        response_deserializer=pb.StatusResponse.FromString)(
+            pb.StatusRequest(), metadata=(*auth, (protocol.SESSION_KEY, reply.session)),
+            timeout=timeout)
+  return status.arena_size > 0

@@ -15,7 +15,6 @@ import pytest
 
 import sidecar
 from sidecar._src.wire import protocol
-from sidecar._src.wire.protocol import pb
 from tests.support import h2_flood
 
 pytestmark = pytest.mark.server
@@ -23,23 +22,7 @@ TOKEN = "alice-token-0123456789abcdef"
 
 
 def alice_connects(server, timeout: float = 10.0) -> bool:
-  """A new client of alice's (a channel of its own: a new connection, never one another
-  channel of this process shares) handshakes and asks Status, within ``timeout`` s, as a
-  Controller does (gRPC connects again, with its backoff, until the deadline)."""
-  with grpc.insecure_channel(f"127.0.0.1:{server.port}",
-                             options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
-    auth = ((protocol.AUTH_KEY, f"Bearer {TOKEN}"),)
-    reply = channel.unary_unary(
-        f"/{protocol.SERVICE}/Handshake", request_serializer=pb.HandshakeRequest.SerializeToString,
-        response_deserializer=pb.HandshakeResponse.FromString)(
-            pb.HandshakeRequest(versions=protocol.local_versions(), client="alice"),
-            metadata=auth, timeout=timeout, wait_for_ready=True)
-    status = channel.unary_unary(
-        f"/{protocol.SERVICE}/Status", request_serializer=pb.StatusRequest.SerializeToString,
-        response_deserializer=pb.StatusResponse.FromString)(
-            pb.StatusRequest(), metadata=(*auth, (protocol.SESSION_KEY, reply.session)),
-            timeout=timeout)
-  return status.arena_size > 0
+  return h2_flood.new_client(f"127.0.0.1:{server.port}", TOKEN, timeout=timeout)
 
 
 def test_calls_without_a_token_whose_request_never_comes_hold_no_thread(make_server):

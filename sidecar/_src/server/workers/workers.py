@@ -33,7 +33,7 @@ from typing import Any
 
 from sidecar._src.arena import shm
 from sidecar._src.core import errors, stall
-from sidecar._src.server import sockets
+from sidecar._src.server import client_log, sockets
 from sidecar._src.server.arenas import arenas as arenas_lib
 from sidecar._src.server.arenas.leases import Leases
 from sidecar._src.server.calls.calls import UnaryCalls
@@ -42,7 +42,7 @@ from sidecar._src.server.calls.stream_runner import StreamRunner
 from sidecar._src.server.goodput import ledgers as ledgers_lib, steps as steps_lib
 from sidecar._src.server.limits import check_prefetch
 from sidecar._src.server.tenancy import tenants as tenants_lib
-from sidecar._src.server.workers import conns, session_blocks
+from sidecar._src.server.workers import attaching, conns, session_blocks
 from sidecar._src.wire import codec, feed_batch, ipc, protocol
 from sidecar._src.wire.protocol import pb
 
@@ -126,6 +126,11 @@ class WorkerListener:
     with self._lock:
       return session in self._sessions
 
+  def client_of(self, session: str) -> str:
+    """Whose log lines a worker session's are (client_log.py): its tenant's, else its own."""
+    tenant = self._tenancy.of_worker(session)
+    return f"tenant {tenant!r}" if tenant is not None else f"worker session {session}"
+
   def pids(self) -> dict[str, int]:
     """The worker pid of each session attached now, as the kernel said at attach (0: it
     did not say: unverified)."""
@@ -191,8 +196,9 @@ class WorkerListener:
 
   def _refuse(self, conn: socket.socket) -> None:
     """Answers a connection past the limit with RESOURCE_EXHAUSTED and closes it."""
-    log.warning("worker socket: %d connections open, the limit; refused one",
-                self.max_connections)
+    client_log.DEFAULT.warning(log, attaching.user(ipc.ucred_or_none(conn)),
+                               "worker socket: %d connections open, the limit; refused one",
+                               self.max_connections)
     error = errors.ResourceExhaustedError(
         f"the sidecar's worker socket has {self.max_connections} connections open, its limit "
         "(max_worker_connections); close Workers and streams that are done")
@@ -203,6 +209,8 @@ class WorkerListener:
 
   def _serve(self, conn: socket.socket) -> None:
     session = None
+    cred = ipc.ucred_or_none(conn)  # who the kernel says connects
+    who = attaching.user(cred)  # whose log lines these are, until it attaches (client_log.py)
     counts = contextlib.ExitStack()  # the tenant's count of connections, once taken
     try:
       conn.settimeout(FIRST_FRAME_S)
@@ -215,11 +223,10 @@ class WorkerListener:
         return self._serve_calls(conn, str(message.get("session")))
       if message.get("op") != "attach":
         raise errors.InvalidArgumentError(
-            f"first message must be attach, got {message.get('op')!r}")
-      cred = ipc.ucred_or_none(conn)  # who the kernel says attaches
+            f"first message must be attach, got {message.get('op')!r:.64}")
       tenant = self._attach_tenant(message, cred)
-      claimed = _claimed_pid(message.get("pid"))  # InvalidArgumentError: impossible
-      pid = _verified_pid(cred)
+      claimed = attaching.claimed_pid(message.get("pid"))  # InvalidArgumentError: impossible
+      pid = attaching.verified_pid(cred)
       replica_link = tenants_lib.ReplicaAttach.parse(message.get("token")) is not None
       counts.enter_context(self._counted(tenant))  # ResourceExhaustedError: all taken
       reply = self._hello(message)  # raises VersionMismatchError on skew
@@ -233,8 +240,8 @@ class WorkerListener:
           self._replica_sessions.add(session)
         self._pids[session] = pid
       self.steps.attach(session, pid=pid, tenant=tenant,
-                        rank=_small_int(message.get("rank")),
-                        restart=_small_int(message.get("restart")))
+                        rank=attaching.small_int(message.get("rank")),
+                        restart=attaching.small_int(message.get("restart")))
       # Its tenant's arena, and no other: what it maps is all it can ever see.
       space = self._arenas.bind(session, tenant)
       arena = space.arena
@@ -243,8 +250,10 @@ class WorkerListener:
       shm.check_sealed(arena.fd)  # never a memfd whose size the worker could change
       with conns.own_io():
         ipc.send(conn, reply, fds=(arena.fd,))
-      log.info("worker pid %s attached as %s%s", pid or "unverified", session,
-               _claim_note(claimed, pid), extra={"session": session})
+      who = self.client_of(session)
+      client_log.DEFAULT.info(log, who, "worker pid %s attached as %s%s", pid or "unverified",
+                              session, attaching.claim_note(claimed, pid),
+                              extra={"session": session})
       # Whether it reads {"queued": place} frames while an alloc waits its turn (a pool).
       frames = message.get("queue") is True
       while True:
@@ -256,7 +265,7 @@ class WorkerListener:
     except Exception as e:
       # Malformed frames included: answered, then the connection ends (after garbage,
       # nothing on it can be trusted to be a frame boundary).
-      conns.log_failure("worker connection", e, session or "-")
+      conns.log_failure("worker connection", e, session or "-", who)
       with contextlib.suppress(OSError):
         ipc.send(conn, {"error": protocol.error_dict(e)})
     finally:
@@ -270,9 +279,10 @@ class WorkerListener:
           self._ledgers.ended(session, ended.seen, stalled=ended.stalled)
         freed = self._leases.release_all(session)
         self._arenas.unbind(session)
+        client_log.DEFAULT.info(log, who, "worker session %s ended; %d arena blocks released",
+                                session, freed, extra={"session": session})
+        client_log.DEFAULT.flush(who)  # what its lines owe, where it is its own client
         self._tenancy.drop_worker(session)
-        log.info("worker session %s ended; %d arena blocks released", session, freed,
-                 extra={"session": session})
       counts.close()
       conn.close()
       with self._lock:
@@ -346,7 +356,7 @@ class WorkerListener:
       if not self.has_session(session):  # refused (or ended): its consumer reads why
         conns.linger(conn, ipc.MAX_MESSAGE)
     except errors.SidecarError as e:  # the tenant holds all the connections it may
-      conns.log_failure("stream", e, session)
+      conns.log_failure("stream", e, session, self.client_of(session))
       with contextlib.suppress(OSError):
         ipc.send_bytes(conn, pb.StreamItem(end=True, error=protocol.error_info(e))
                        .SerializeToString())
@@ -364,7 +374,8 @@ class WorkerListener:
       if first.WhichOneof("kind") != "start" or first.start.worker_session != session:
         raise errors.InvalidArgumentError("the first frame must start a stream for this session")
       credits = SocketCredits(conn, check_prefetch(first.prefetch),
-                               lambda freed: self._blocks.free(session, freed),
+                               lambda freed: self._blocks.free(
+                                   session, freed, client=self.client_of(session)),
                                on_taken=lambda n: self.steps.step(session, taken=n))
       producer = threading.get_ident()
 
@@ -403,7 +414,7 @@ class WorkerListener:
     except conns.Gone:
       return  # its consumer closed the connection, or died: nobody to tell
     except Exception as e:  # the pipeline's own (an OSError too), or ours
-      conns.log_failure("stream", e, session)
+      conns.log_failure("stream", e, session, self.client_of(session))
       end = pb.StreamItem(end=True, error=protocol.error_info(e))
     with contextlib.suppress(OSError):
       ipc.send_bytes(conn, end.SerializeToString())
@@ -416,7 +427,7 @@ class WorkerListener:
       with self._counted(self._tenancy.of_worker(session)):
         self._serve_calls_in(conn, session)
     except errors.SidecarError as e:  # nothing more on it can be trusted to be a frame
-      conns.log_failure("calls", e, session)
+      conns.log_failure("calls", e, session, self.client_of(session))
       with contextlib.suppress(OSError):
         ipc.send_bytes(conn, pb.CallResponse(error=protocol.error_info(e)).SerializeToString())
       conns.linger(conn, self._call_bytes)
@@ -438,7 +449,7 @@ class WorkerListener:
         with tenants_lib.acting_as(self._tenancy.of_worker(session)):
           response = self._calls.run(raw, session, alive=alive, worker=session)
       except Exception as e:  # this call's error, answered; the connection serves on
-        conns.log_failure("call", e, session)
+        conns.log_failure("call", e, session, self.client_of(session))
         response = pb.CallResponse(error=protocol.error_info(e))
       try:
         with conns.own_io():
@@ -458,7 +469,8 @@ class WorkerListener:
     if op == "cancel":  # sent while an alloc waited (Ctrl-C): that alloc has answered
       return
     if op == "free":
-      self._blocks.free(session, session_blocks.free_pairs(message.get("blocks", [])))
+      self._blocks.free(session, session_blocks.free_pairs(message.get("blocks", [])),
+                        client=self.client_of(session))
       return
     if op == "goodput":
       self._goodput(conn, session, message)
@@ -467,8 +479,9 @@ class WorkerListener:
       try:
         self.steps.phase(session, stall.Phase.from_dict(message))
       except ValueError as e:
-        log.warning("worker %s: a phase frame refused: %s", session, e,
-                    extra={"session": session})
+        client_log.DEFAULT.warning(log, self.client_of(session),
+                                   "worker %s: a phase frame refused: %s", session,
+                                   protocol.for_log(e), extra={"session": session})
       return
     if op == "alloc":
       reply = self._blocks.answer_alloc(conn, session, message, frames=frames)
@@ -477,7 +490,7 @@ class WorkerListener:
       return
     with conns.own_io():
       ipc.send(conn, {"error": protocol.error_dict(
-          errors.InvalidArgumentError(f"unknown op {op!r}"))})
+          errors.InvalidArgumentError(f"unknown op {op!r:.64}"))})
 
   def _goodput(self, conn: socket.socket, session: str, message: dict[str, Any]) -> None:
     """A frame of the goodput ledger (``server/goodput/ledgers.py``): answered where it asks
@@ -558,43 +571,3 @@ class WorkerListener:
       os.unlink(self.path)
     sockets.remove_dirs(self._made_dirs)
 
-
-def _small_int(value: Any) -> int:
-  """An attach message's rank or restart: an int >= 0, else -1 (not given)."""
-  ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31
-  return value if ok else -1
-
-
-def _claimed_pid(value: Any) -> int | None:
-  """The pid an attach message claims, checked (None: it claims none). Only logged: the
-  session's pid is the kernel's (:func:`_verified_pid`).
-
-  Raises:
-    InvalidArgumentError: no process can have it (negative, 0, past any kernel's limit,
-      not an int), naming the value.
-  """
-  if value is None:
-    return None
-  if isinstance(value, int) and not isinstance(value, bool) and 0 < value < ipc.PID_LIMIT:
-    return value
-  raise errors.InvalidArgumentError(
-      f"attach: pid {value!r:.40} is no process's (a pid is an int from 1 to "
-      f"{ipc.PID_LIMIT - 1}); the sidecar reads a worker's pid from the kernel and never acts "
-      "on the one it claims: send os.getpid(), or no pid (sidecar's Worker sends its own)")
-
-
-def _claim_note(claimed: int | None, pid: int) -> str:
-  """What the attach log line adds where the worker claimed another pid than the kernel's."""
-  if claimed is None or claimed == pid:
-    return ""
-  if pid:
-    return f" (it claimed pid {claimed}: another PID namespace's, or false; ignored)"
-  return f" (it claimed pid {claimed}; the kernel gives none: another PID namespace)"
-
-
-def _verified_pid(cred: ipc.Ucred | None) -> int:
-  """The attaching process's pid as the kernel says (``SO_PEERCRED``), in this sidecar's
-  PID namespace; 0 where it does not say (a process of another PID namespace)."""
-  if cred is None or not 0 < cred.pid < ipc.PID_LIMIT:
-    return 0
-  return cred.pid
