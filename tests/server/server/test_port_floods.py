@@ -180,3 +180,27 @@ def test_watch_streams_are_bounded(make_server, tmp_path):
         health_pb2.HealthCheckResponse.SERVING)
   finally:
     channel.close()
+
+
+# ---- the worker socket ------------------------------------------------------------------------
+
+
+def test_silent_connections_keep_no_worker_out_of_the_worker_socket(make_server):
+  """Before: connections that never said a first frame held every place for 10 s each
+  (FIRST_FRAME_S), opened again as they closed: no worker could attach."""
+  import socket
+
+  from tests.conftest import eventually
+  server = make_server(max_worker_connections=8)
+  silent = []
+  for _ in range(8):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(server.options.socket_path)
+    silent.append(s)
+  try:
+    with sidecar.jax.Worker(server.options.socket_path, timeout=10) as w:
+      assert w.session
+      assert float(w.put(__import__("numpy").ones(8))[0].sum()) == 8.0
+    assert eventually(lambda: h2_flood.open_count(silent) < 8)  # the oldest gave way
+  finally:
+    h2_flood.close(silent)

@@ -13,7 +13,8 @@ in this order, from
 
 else it is refused (``Full``). The same rule as the handshake sessions'
 (``limits.Sessions``), for connections: the health port's (``health_port.py``) and the
-worker socket's connections that have not attached yet (a peer there is a Unix user).
+worker socket's connections that have not said their first frame (a peer there is a Unix
+user: ``workers/workers.py``).
 """
 
 from __future__ import annotations
@@ -68,16 +69,24 @@ class PeerTable:
     if self.held(peer) >= self.bounds.per_peer:
       out.append(self._drop_oldest(peer))
     if self._count >= self.bounds.total:
-      most = max(self._by_peer, key=self.held)
-      if self.held(most) > self.held(peer) + 1:
-        out.append(self._drop_oldest(most))
-      elif self.held(peer):
-        out.append(self._drop_oldest(peer))
-      else:
-        raise Full(f"{self._count} connections are held, each by a different peer")
+      out.append(self.make_room(peer))
     self._by_peer.setdefault(peer, collections.OrderedDict())[key] = None
     self._count += 1
     return out
+
+  def make_room(self, peer: Hashable) -> Hashable:
+    """Forgets the connection that gives way to a new one of ``peer`` where the port is
+    full (rules 2 and 3 above), and returns it.
+
+    Raises:
+      Full: none gives way.
+    """
+    most = max(self._by_peer, key=self.held, default=None)
+    if most is not None and self.held(most) > self.held(peer) + 1:
+      return self._drop_oldest(most)
+    if self.held(peer):
+      return self._drop_oldest(peer)
+    raise Full(f"{self._count} connections are held, each by a different peer")
 
   def remove(self, peer: Hashable, key: Hashable) -> bool:
     """Forgets connection ``key`` of ``peer`` (closed); whether it was counted."""

@@ -42,7 +42,7 @@ from sidecar._src.server.calls.stream_runner import StreamRunner
 from sidecar._src.server.goodput import ledgers as ledgers_lib, steps as steps_lib
 from sidecar._src.server.limits import check_prefetch
 from sidecar._src.server.tenancy import tenants as tenants_lib
-from sidecar._src.server.workers import attaching, conns, session_blocks
+from sidecar._src.server.workers import attaching, conns, session_blocks, silent
 from sidecar._src.wire import codec, feed_batch, ipc, protocol
 from sidecar._src.wire.protocol import pb
 
@@ -98,6 +98,7 @@ class WorkerListener:
     # them (a tenant removed from the pool file is told so, not "unknown session").
     self._ended: dict[str, str] = {}
     self._by_tenant: dict[str, int] = {}  # connections each tenant holds (with a pool)
+    self._silent = silent.Silent(max_connections)  # those yet to say their first frame
     self._closed = False
     ipc.check_socket_path(path, fix="give --socket (socket_path) a shorter path")
     self._made_dirs = sockets.make_dirs(os.path.dirname(os.path.abspath(path)),
@@ -177,14 +178,21 @@ class WorkerListener:
                       ACCEPT_RETRY_S)
         self._stop.wait(ACCEPT_RETRY_S)
         continue
-      thread = threading.Thread(target=self._serve, args=(conn,), name="sidecar-worker-conn",
-                                daemon=True)
-      with self._lock:
-        full = self._closed or len(self._connections) >= self.max_connections
+      cred = ipc.ucred_or_none(conn)  # who the kernel says connects
+      thread = threading.Thread(target=self._serve, args=(conn, cred),
+                                name="sidecar-worker-conn", daemon=True)
+      with self._lock:  # a user's silent connections give way to another's (silent.py)
+        gone, full = [], True
+        if not self._closed:
+          gone, full = self._silent.arrive(
+              conn, cred, full=len(self._connections) >= self.max_connections)
         if not full:
           self._connections[conn] = thread
+      for old in gone:  # its thread ends it: its first frame never comes now
+        with contextlib.suppress(OSError):
+          old.shutdown(socket.SHUT_RDWR)
       if full:
-        self._refuse(conn)
+        self._refuse(conn, cred)
         continue
       try:
         thread.start()
@@ -194,9 +202,9 @@ class WorkerListener:
         log.warning("worker socket: cannot start a thread for a connection (%s)", e)
         conn.close()
 
-  def _refuse(self, conn: socket.socket) -> None:
+  def _refuse(self, conn: socket.socket, cred: ipc.Ucred | None) -> None:
     """Answers a connection past the limit with RESOURCE_EXHAUSTED and closes it."""
-    client_log.DEFAULT.warning(log, attaching.user(ipc.ucred_or_none(conn)),
+    client_log.DEFAULT.warning(log, attaching.user(cred),
                                "worker socket: %d connections open, the limit; refused one",
                                self.max_connections)
     error = errors.ResourceExhaustedError(
@@ -207,15 +215,15 @@ class WorkerListener:
       ipc.send(conn, {"error": protocol.error_dict(error)})
     conn.close()
 
-  def _serve(self, conn: socket.socket) -> None:
+  def _serve(self, conn: socket.socket, cred: ipc.Ucred | None) -> None:
     session = None
-    cred = ipc.ucred_or_none(conn)  # who the kernel says connects
     who = attaching.user(cred)  # whose log lines these are, until it attaches (client_log.py)
     counts = contextlib.ExitStack()  # the tenant's count of connections, once taken
     try:
       conn.settimeout(FIRST_FRAME_S)
       with conns.own_io():
         message, _ = ipc.recv(conn)
+      self._silent.spoke(conn, cred)
       conn.settimeout(None)  # an attached worker may be quiet for hours
       if message.get("op") == "stream":
         return self._stream(conn, str(message.get("session")))
@@ -284,6 +292,7 @@ class WorkerListener:
         client_log.DEFAULT.flush(who)  # what its lines owe, where it is its own client
         self._tenancy.drop_worker(session)
       counts.close()
+      self._silent.spoke(conn, cred)
       conn.close()
       with self._lock:
         self._connections.pop(conn, None)
