@@ -119,7 +119,7 @@ class ClientLog:
     return owed
 
   def _summarize(self, client: str, owed: _Bucket, now: float) -> None:
-    log.warning("%s: %d log lines dropped in the last %.0f s (a client's requests write at "
+    log.warning("%s: %d log lines dropped in the last %.1f s (a client's requests write at "
                 "most %d lines at once, then %g a second); the last: %s",
                 protocol.for_log(client), owed.dropped, max(now - owed.first_drop, 0.0),
                 self.burst, self.per_s, _text(*owed.last))

@@ -38,7 +38,7 @@ def test_a_client_past_its_burst_is_dropped_then_summarized_once_it_may_write(sa
   clock.now += 1.0  # one line's worth
   assert logs.warning(log, "tenant 'bob'", "bad frame %d", 100)
   assert messages(caplog)[3:] == [
-      "tenant 'bob': 97 log lines dropped in the last 1 s (a client's requests write at most "
+      "tenant 'bob': 97 log lines dropped in the last 1.0 s (a client's requests write at most "
       "3 lines at once, then 1 a second); the last: bad frame 99", "bad frame 100"]
   assert logs.dropped("tenant 'bob'") == 0
 
@@ -58,7 +58,8 @@ def test_a_client_that_went_quiet_is_summarized_by_anyone_s_later_line_or_a_flus
     logs.info(log, "worker session w-1", "line %d", i)
   clock.now += 11.0
   logs.info(log, "tenant 'alice'", "alice")
-  assert messages(caplog)[3].startswith("worker session w-1: 7 log lines dropped in the last 11 s")
+  assert messages(caplog)[3].startswith(
+      "worker session w-1: 7 log lines dropped in the last 11.0 s")
   for i in range(10):
     logs.info(log, "worker session w-2", "line %d", i)
   logs.flush("worker session w-2")

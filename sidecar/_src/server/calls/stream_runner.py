@@ -221,7 +221,7 @@ def _log_failure(request: pb.CallRequest, e: Exception, tenant: str | None,
                    else (type(e).__name__, str(e)))
   session = request.worker_session
   client_log.DEFAULT.log(
-      log, level, f"tenant {tenant!r}" if tenant is not None else f"worker session {session}",
+      log, level, f"tenant {tenant!r}" if tenant else f"worker session {session}",
       "%s%s raised %s: %s; its trainer is told, and this sidecar serves on", what, who, kind,
       protocol.for_log(message), exc_info=e, extra={"session": session} if session else None)
 

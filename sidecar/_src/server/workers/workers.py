@@ -129,8 +129,8 @@ class WorkerListener:
 
   def client_of(self, session: str) -> str:
     """Whose log lines a worker session's are (client_log.py): its tenant's, else its own."""
-    tenant = self._tenancy.of_worker(session)
-    return f"tenant {tenant!r}" if tenant is not None else f"worker session {session}"
+    tenant = self._tenancy.of_worker(session)  # "": the one shared token's, no tenant
+    return f"tenant {tenant!r}" if tenant else f"worker session {session}"
 
   def pids(self) -> dict[str, int]:
     """The worker pid of each session attached now, as the kernel said at attach (0: it

@@ -28,7 +28,7 @@ def conns():
 def test_a_full_socket_takes_room_from_the_user_with_the_most_silent_ones(conns):
   silent = silent_lib.Silent(4)
   bobs = [conns() for _ in range(4)]
-  for i, c in enumerate(bobs):
+  for c in bobs:
     assert silent.arrive(c, BOB, full=False) == ([], False)
   alices = conns()
   assert silent.arrive(alices, ALICE, full=True) == ([bobs[0]], False)
