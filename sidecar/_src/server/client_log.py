@@ -133,14 +133,14 @@ class ClientLog:
       del self._buckets[c]
 
 
-def client_of(tenant: str | None, session: object, peer: str) -> str:
+def client_of(tenant: str | None, session: object, remote: str) -> str:
   """Whose log lines an RPC's are: its tenant's, else its handshake session's, else its
   connection's (gRPC's peer string)."""
   if tenant:
     return f"tenant {tenant!r}"
   if isinstance(session, str) and session:
     return f"session {session:.40}"
-  return f"client {peer}"
+  return f"client {remote}"
 
 
 def _text(msg: str, args: tuple) -> str:

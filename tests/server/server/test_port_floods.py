@@ -81,10 +81,10 @@ def test_a_peer_keeps_few_strangers_and_the_oldest_go_first(make_server, quick_s
   old = h2_flood.idle(server.port, 10)
   assert h2_flood.within(lambda: server.strangers.scan() is not None and len(
       [c for c in server.strangers._known.values() if c]) >= 10, 5) is not None
-  new = h2_flood.idle(server.port, strangers.STRANGERS_PER_PEER)
+  new = h2_flood.idle(server.port, strangers.STRANGERS_PER_REMOTE)
   try:
     assert h2_flood.within(lambda: h2_flood.open_count(old) == 0, 5) is not None
-    assert h2_flood.open_count(new) == strangers.STRANGERS_PER_PEER
+    assert h2_flood.open_count(new) == strangers.STRANGERS_PER_REMOTE
   finally:
     h2_flood.close(old + new)
 

@@ -1,4 +1,4 @@
-"""The health port, accepted by the sidecar itself: each connection counted by its peer
+"""The health port, accepted by the sidecar itself: each connection counted by its remote
 before gRPC sees a byte of it, then relayed to the health service's own gRPC server on a
 private Unix socket.
 
@@ -8,10 +8,10 @@ arrive. So 64 connections holding a ``Watch`` stream each, or 64 idle ones opene
 they close, kept every health check out, and the kubelet would restart a healthy sidecar
 (issue 76, attack round eight). Here:
 
-- per peer (the client's address) at most ``HEALTH_PER_PEER`` connections, in all
-  ``HEALTH_CONNECTIONS``; past either, a connection gives way by ``peers.PeerTable``'s
-  rule, so a new peer's probe always gets in, unless ``HEALTH_CONNECTIONS`` different
-  peers hold one each;
+- per remote (the client's address) at most ``HEALTH_PER_REMOTE`` connections, in all
+  ``HEALTH_CONNECTIONS``; past either, a connection gives way by ``remotes.RemoteTable``'s
+  rule, so a new remote's probe always gets in, unless ``HEALTH_CONNECTIONS`` different
+  remotes hold one each;
 - a connection whose client said nothing for ``HEALTH_IDLE_S``, or that is
   ``HEALTH_LIFE_S`` old, is closed (a probe takes milliseconds; the kubelet opens one per
   probe);
@@ -34,12 +34,12 @@ import socket
 import threading
 import time
 
-from sidecar._src.server.ports import peers
+from sidecar._src.server.ports import remotes
 
 log = logging.getLogger(__name__)
 
 HEALTH_CONNECTIONS = 64
-HEALTH_PER_PEER = 8
+HEALTH_PER_REMOTE = 8
 HEALTH_IDLE_S = 10.0
 HEALTH_LIFE_S = 60.0
 _BUFFER = 64 << 10  # bytes buffered each way per connection
@@ -49,8 +49,8 @@ _LOG_EVERY_S = 10.0
 _R, _W = selectors.EVENT_READ, selectors.EVENT_WRITE
 
 
-def peer_of(address: tuple) -> str:
-  """A client's address as one peer: an IPv4 client of a dual-stack socket is its IPv4."""
+def remote_of(address: tuple) -> str:
+  """A client's address as one remote: an IPv4 client of a dual-stack socket is its IPv4."""
   ip = ipaddress.ip_address(address[0].split("%")[0])
   mapped = getattr(ip, "ipv4_mapped", None)
   return str(mapped or ip)
@@ -87,10 +87,10 @@ def listeners(host: str, port: int, flag: str) -> list[socket.socket]:
 
 class _Link:
   """One client connection and its relay to the health server."""
-  __slots__ = ("peer", "client", "inner", "up", "down", "opened", "heard", "inner_done")
+  __slots__ = ("remote", "client", "inner", "up", "down", "opened", "heard", "inner_done")
 
-  def __init__(self, peer: str, client: socket.socket, inner: socket.socket, now: float):
-    self.peer, self.client, self.inner = peer, client, inner
+  def __init__(self, remote: str, client: socket.socket, inner: socket.socket, now: float):
+    self.remote, self.client, self.inner = remote, client, inner
     self.up, self.down = bytearray(), bytearray()  # to the server, to the client
     self.opened = self.heard = now
     self.inner_done = False  # the server closed its end: the rest goes, then the link
@@ -101,12 +101,12 @@ class HealthPort:
   on the Unix socket ``inner``. ``start()``, then ``close()`` (idempotent, joins)."""
 
   def __init__(self, host: str, port: int, inner: str, *, flag: str = "--health-port",
-               bounds: peers.Bounds | None = None, idle_s: float | None = None,
+               bounds: remotes.Bounds | None = None, idle_s: float | None = None,
                life_s: float | None = None):
     self.inner = inner
     self.idle_s = HEALTH_IDLE_S if idle_s is None else idle_s
     self.life_s = HEALTH_LIFE_S if life_s is None else life_s
-    self.peers = peers.PeerTable(bounds or peers.Bounds(per_peer=HEALTH_PER_PEER,
+    self.remotes = remotes.RemoteTable(bounds or remotes.Bounds(per_remote=HEALTH_PER_REMOTE,
                                                         total=HEALTH_CONNECTIONS))
     self._listeners = listeners(host, port, flag)
     self.port = self._listeners[0].getsockname()[1]
@@ -144,7 +144,7 @@ class HealthPort:
 
   @property
   def open_connections(self) -> int:
-    return len(self.peers)
+    return len(self.remotes)
 
   # ---- the loop ----------------------------------------------------------------------------
 
@@ -189,7 +189,7 @@ class HealthPort:
           continue
         self._pause(e)
         return
-      self._keep(client, peer_of(address))
+      self._keep(client, remote_of(address))
 
   def _pause(self, error: OSError) -> None:
     """Out of descriptors (a flood on another port), buffers or memory: accepting rests
@@ -204,10 +204,10 @@ class HealthPort:
         self._selector.unregister(s)
     self._paused_until = now + _ACCEPT_RETRY_S
 
-  def _keep(self, client: socket.socket, peer: str) -> None:
+  def _keep(self, client: socket.socket, remote: str) -> None:
     try:
-      gone = self.peers.add(peer, client.fileno())
-    except peers.Full:
+      gone = self.remotes.add(remote, client.fileno())
+    except remotes.Full:
       self.refused += 1
       client.close()
       return
@@ -218,11 +218,11 @@ class HealthPort:
     inner.setblocking(False)
     client.setblocking(False)
     if inner.connect_ex(self.inner) != 0:  # a Unix socket connects at once, or not at all
-      self.peers.remove(peer, client.fileno())
+      self.remotes.remove(remote, client.fileno())
       client.close()
       inner.close()
       return
-    link = _Link(peer, client, inner, time.monotonic())
+    link = _Link(remote, client, inner, time.monotonic())
     self._links[client.fileno()] = link
     self._selector.register(client, _R, link)
     self._selector.register(inner, _R, link)
@@ -276,7 +276,7 @@ class HealthPort:
     if self._links.pop(fd, None) is None:
       return
     if counted:
-      self.peers.remove(link.peer, fd)
+      self.remotes.remove(link.remote, fd)
     for sock in (link.client, link.inner):
       with contextlib.suppress(KeyError, ValueError):
         self._selector.unregister(sock)

@@ -1,5 +1,5 @@
 """The control port's strangers: connections that carried no RPC the sidecar took (a valid
-token, or any RPC where none is asked). Each peer keeps at most ``STRANGERS_PER_PEER`` of
+token, or any RPC where none is asked). Each remote keeps at most ``STRANGERS_PER_REMOTE`` of
 them, and none stays one longer than the handshake timeout: the sidecar closes the rest.
 
 gRPC bounds the port's connections in total only (``grpc.max_allowed_incoming_connections``:
@@ -8,19 +8,19 @@ one an RPC came on before its handler runs. So 2,048 idle HTTP/2 connections wit
 token held every place, and no client could connect again, 15 s later as at once (issue
 76, attack round eight). The kernel knows every connection, so the sidecar asks it:
 
-- ``Admitted``, an interceptor placed after ``credentials.TokenAuth``, records the peer
+- ``Admitted``, an interceptor placed after ``credentials.TokenAuth``, records the remote
   (address and port: one TCP connection) of every RPC that reached a handler;
 - ``Strangers``, a thread, lists this process's own descriptors (``/proc/self/fd``) every
   ``SCAN_S`` (``BUSY_SCAN_S`` while it finds strangers), takes the TCP sockets accepted
   on the control port, and shuts down (``shutdown(2)``, gRPC then closes its end) the
-  strangers past a peer's bound, oldest first, and those older than the grace. A socket is
+  strangers past a remote's bound, oldest first, and those older than the grace. A socket is
   acted on only through a duplicate of its descriptor that is still that socket (its
   inode): a descriptor closed and reused since the listing is left alone.
 
 A client with the token is never a stranger for longer than its first RPC takes (a
 ``Controller`` handshakes at once). What remains: a flood that opens connections again
 faster than the scans close them can still fill ``max_connections`` between two scans
-(a few thousand a second from one peer, on loopback); docs/security.md says so.
+(a few thousand a second from one remote, on loopback); docs/security.md says so.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import grpc
 
 log = logging.getLogger(__name__)
 
-STRANGERS_PER_PEER = 16
+STRANGERS_PER_REMOTE = 16
 SCAN_S = 1.0
 BUSY_SCAN_S = 0.25
 _LOG_EVERY_S = 10.0
@@ -51,7 +51,7 @@ Endpoint = tuple[str, int]  # an IP address (IPv4 as itself) and a port: one con
 
 
 def endpoint(address: str | tuple) -> Endpoint | None:
-  """A TCP peer as one ``Endpoint``: gRPC's peer string (``ipv4:1.2.3.4:5``,
+  """A TCP remote as one ``Endpoint``: gRPC's peer string (``ipv4:1.2.3.4:5``,
   ``ipv6:%5B::1%5D:5``) or a socket address; None for anything else (``unix:``)."""
   if isinstance(address, str):
     kind, _, rest = address.partition(":")
@@ -84,12 +84,12 @@ class Admitted(grpc.ServerInterceptor):
 
     @functools.wraps(behavior)  # grpcio's experimental_* attributes too
     def recorded(request, context, *args, **kwargs):
-      self.record(context.peer())
+      self.note(context.peer())
       return behavior(request, context, *args, **kwargs)
     return handler._replace(**{kind: recorded})
 
-  def record(self, peer: str) -> None:
-    point = endpoint(peer)
+  def note(self, remote: str) -> None:
+    point = endpoint(remote)
     if point is not None:
       with self._lock:
         self._seen[point] = time.monotonic()
@@ -109,7 +109,7 @@ class Admitted(grpc.ServerInterceptor):
 @dataclasses.dataclass(slots=True)
 class _Conn:
   fd: int
-  peer: Endpoint
+  remote: Endpoint
   since: float  # when a scan first saw it
 
 
@@ -120,9 +120,9 @@ class Strangers:
   """Closes the port's strangers past their bounds; ``start()``, ``close()`` (joins)."""
 
   def __init__(self, port: int, admitted: Admitted, *, grace_s: float,
-               per_peer: int | None = None, clock: Callable[[], float] = time.monotonic):
+               per_remote: int | None = None, clock: Callable[[], float] = time.monotonic):
     self.port, self.admitted, self.grace_s = port, admitted, grace_s
-    self.per_peer = STRANGERS_PER_PEER if per_peer is None else per_peer
+    self.per_remote = STRANGERS_PER_REMOTE if per_remote is None else per_remote
     self._clock = clock
     self._known: dict[int, _Conn | None] = {}  # by socket inode
     self._stop = threading.Event()
@@ -152,23 +152,23 @@ class Strangers:
     """One look: closes the strangers past their bounds; whether any stranger is left."""
     began = self._clock()
     conns = self._connections(began)
-    self.admitted.forget({c.peer for c in conns.values()}, began)
+    self.admitted.forget({c.remote for c in conns.values()}, began)
     strangers = sorted(((ino, c) for ino, c in conns.items()
-                        if not self.admitted.admitted(c.peer)),
+                        if not self.admitted.admitted(c.remote)),
                        key=lambda item: item[1].since, reverse=True)  # newest first
-    by_peer: dict[str, int] = {}
+    by_remote: dict[str, int] = {}
     closed = 0
     for ino, c in strangers:
-      by_peer[c.peer[0]] = by_peer.get(c.peer[0], 0) + 1
-      if by_peer[c.peer[0]] > self.per_peer or began - c.since >= self.grace_s:
+      by_remote[c.remote[0]] = by_remote.get(c.remote[0], 0) + 1
+      if by_remote[c.remote[0]] > self.per_remote or began - c.since >= self.grace_s:
         closed += self._shut(ino, c)
     if closed:
       self.closed += closed
       if began - self._logged >= _LOG_EVERY_S:
         self._logged = began
         log.warning("control port %d: closed %d connections that presented no token (at most "
-                    "%d per peer, none for more than %g s); %d closed so far", self.port,
-                    closed, self.per_peer, self.grace_s, self.closed)
+                    "%d per remote, none for more than %g s); %d closed so far", self.port,
+                    closed, self.per_remote, self.grace_s, self.closed)
     return len(strangers) > closed
 
   def _connections(self, now: float) -> dict[int, _Conn]:
@@ -189,7 +189,7 @@ class Strangers:
 
   def _identify(self, fd: int, ino: int, now: float) -> _Conn | None:
     """What socket ``fd`` (inode ``ino``) is: a connection accepted on the port (and its
-    peer), or ``_OTHER``."""
+    remote), or ``_OTHER``."""
     sock = self._dup(fd, ino)
     if sock is None:
       return _OTHER
@@ -198,8 +198,8 @@ class Strangers:
         return _OTHER
       if sock.getsockname()[1] != self.port:
         return _OTHER
-      peer = endpoint(sock.getpeername())  # OSError: the listener itself
-      return _OTHER if peer is None else _Conn(fd, peer, now)
+      remote = endpoint(sock.getpeername())  # OSError: the listener itself
+      return _OTHER if remote is None else _Conn(fd, remote, now)
     except OSError:
       return _OTHER
     finally:

@@ -5,7 +5,7 @@ Each holds a thread and a place among ``max_worker_connections`` for up to
 group, in a pool of several users) could keep every place with silent connections, opened
 again as they are closed, and no worker of another user could attach (issue 76). So where
 every place is taken, the user holding the most silent connections gives its oldest
-(``ports/peers``: the same rule as the health port's), and a new connection is refused only
+(``ports/remotes``: the same rule as the health port's), and a new connection is refused only
 where every place is an attached worker's, or a silent one of a user holding as few.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import socket
 import threading
 
-from sidecar._src.server.ports import peers
+from sidecar._src.server.ports import remotes
 from sidecar._src.wire import ipc
 
 
@@ -23,7 +23,7 @@ class Silent:
 
   def __init__(self, limit: int):
     self._lock = threading.Lock()
-    self._table = peers.PeerTable(peers.Bounds(per_peer=limit, total=limit))
+    self._table = remotes.RemoteTable(remotes.Bounds(per_remote=limit, total=limit))
 
   def arrive(self, conn: socket.socket, cred: ipc.Ucred | None, *,
              full: bool) -> tuple[list[socket.socket], bool]:
@@ -36,7 +36,7 @@ class Silent:
       if full:
         try:
           gone.append(self._table.make_room(uid))  # type: ignore[arg-type]  # our keys
-        except peers.Full:
+        except remotes.Full:
           return gone, True
       gone += self._table.add(uid, conn)  # type: ignore[arg-type]  # our keys
     return gone, False
