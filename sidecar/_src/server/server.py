@@ -5,7 +5,6 @@ Lifecycle: NEW -> SERVING -> STOPPED. ``start()`` and ``stop()`` are idempotent.
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import json
 import logging
@@ -309,8 +308,8 @@ class Server:
     a gRPC server of its own on a Unix socket in a private directory, which takes one
     stream per connection and has a thread per connection (ports/health_port.py)."""
     slots = health_port_lib.HEALTH_CONNECTIONS
-    self._health_dir = ipc.socket_dir("sidecar-health-")
-    inner = os.path.join(self._health_dir, "health.sock")
+    self._health_dir = health_port_lib.inner_dir()
+    inner = os.path.join(self._health_dir, health_port_lib.INNER_NAME)
     self._executors.append(futures.ThreadPoolExecutor(slots, thread_name_prefix="sidecar-health"))
     self._health_grpc = grpc.server(self._executors[-1], options=[
         ("grpc.max_concurrent_streams", 1), ("grpc.max_allowed_incoming_connections", slots),
@@ -547,9 +546,7 @@ class Server:
     if getattr(self, "_health", None) is not None:
       self._health.close()  # its watchers' threads
     if getattr(self, "_health_dir", None) is not None:
-      with contextlib.suppress(OSError):
-        os.unlink(os.path.join(self._health_dir, "health.sock"))
-      sockets.remove_dirs([self._health_dir])
+      health_port_lib.remove_inner_dir(self._health_dir)
     if getattr(self, "_client_ids", None) is not None:
       self._client_ids.close()
     if (unix := self.options.unix) is not None:  # ours only: not a live sidecar's

@@ -204,3 +204,27 @@ def test_silent_connections_keep_no_worker_out_of_the_worker_socket(make_server)
     assert eventually(lambda: h2_flood.open_count(silent) < 8)  # the oldest gave way
   finally:
     h2_flood.close(silent)
+
+
+def test_the_health_servers_private_socket_goes_and_a_killed_ones_is_swept(make_server):
+  import os
+  import socket
+  import tempfile
+
+  from sidecar._src.server.ports import health_port
+  stale, live = (tempfile.mkdtemp(prefix=health_port.INNER_PREFIX) for _ in range(2))
+  listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+  for directory, keep in ((stale, False), (live, True)):
+    s = listening if keep else socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(os.path.join(directory, health_port.INNER_NAME))
+    s.listen(1) if keep else s.close()  # a killed sidecar's socket: nobody listens
+  try:
+    server = make_server()
+    assert not os.path.exists(stale) and os.path.exists(live)  # another's, live: kept
+    mine = server._health_dir
+    assert os.stat(mine).st_mode & 0o777 == 0o700
+    server.stop()
+    assert not os.path.exists(mine)
+  finally:
+    listening.close()
+    health_port.remove_inner_dir(live)

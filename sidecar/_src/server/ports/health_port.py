@@ -27,14 +27,17 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import ipaddress
 import logging
+import os
 import selectors
 import socket
 import threading
 import time
 
 from sidecar._src.server.ports import remotes
+from sidecar._src.wire import ipc
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +50,34 @@ _BACKLOG = 128
 _ACCEPT_RETRY_S = 0.1  # an accept that failed for want of descriptors is tried again after
 _LOG_EVERY_S = 10.0
 _R, _W = selectors.EVENT_READ, selectors.EVENT_WRITE
+
+
+INNER_PREFIX = "sidecar-health-"
+INNER_NAME = "health.sock"
+
+
+def inner_dir() -> str:
+  """A new private directory (0700) for the health server's own Unix socket; first removes
+  those a killed sidecar of this user left (their socket served by nobody)."""
+  made = ipc.socket_dir(INNER_PREFIX)
+  for d in glob.glob(os.path.join(os.path.dirname(made), INNER_PREFIX + "*")):
+    path = os.path.join(d, INNER_NAME)
+    if d == made or os.stat(d).st_uid != os.geteuid() or not os.path.exists(path):
+      continue
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+      if probe.connect_ex(path) == errno.ECONNREFUSED:  # nobody listens: left by a kill
+        with contextlib.suppress(OSError):
+          os.unlink(path)
+          os.rmdir(d)
+  return made
+
+
+def remove_inner_dir(directory: str) -> None:
+  """Removes ``inner_dir``'s directory and its socket (at stop)."""
+  with contextlib.suppress(OSError):
+    os.unlink(os.path.join(directory, INNER_NAME))
+  with contextlib.suppress(OSError):
+    os.rmdir(directory)
 
 
 def remote_of(address: tuple) -> str:
