@@ -278,12 +278,15 @@ def make_server(tmp_path):
 
   import sidecar
   from sidecar._src.core import options as options_lib
+  from sidecar._src.server import client_log
   from sidecar._src.server.server import Server
   from sidecar._src.user import registry as registry_lib
   from tests.support import sidecar_fns  # noqa: F401  (registers into the default registry)
-
   servers = []
   replica_hosts = tmp_path / "replica-hosts"
+  # Each test's sidecars their own log buckets: a tenant named alice in an earlier test
+  # never spent this one's lines (server/client_log.py).
+  default_log, client_log.DEFAULT = client_log.DEFAULT, client_log.ClientLog()
 
   def make(**kw):
     reg = kw.pop("registry", None)
@@ -310,6 +313,7 @@ def make_server(tmp_path):
   yield make
   for s in servers:
     s.stop(grace=0)
+  client_log.DEFAULT = default_log
 
 
 # Each tier may do what the ones before it do. tests/accelerator (the machine's TPU or GPU) runs

@@ -134,9 +134,14 @@ class ServerOptions:
   # first is stalled (server/goodput/steps.py): Status and /metrics say so. 0: never.
   stall_timeout_s: float = stall.DEFAULT_FLOOR_S
   # TCP connections the control port keeps at once (more are closed as they come), and how
-  # long a new one may take to say its first HTTP/2 frames (TLS included) before it is.
+  # long a new one may take to say its first HTTP/2 frames (TLS included) before it is; a
+  # connection that carried no RPC the token let through is closed after as long too, and
+  # a peer keeps at most 16 of those (server/ports/strangers.py).
   max_connections: int = 2048
   handshake_timeout_s: float = 10.0
+  # A connection of the control port with no RPC for this long is closed (a client's next
+  # RPC connects again).
+  connection_idle_s: float = 120.0
   imports: tuple[str, ...] = ()  # modules the sidecar imported; feed workers import them too
   # Directories the checkpoint calls may act in (and below); none: they are refused.
   checkpoint_roots: tuple[str, ...] = ()
@@ -239,10 +244,10 @@ class ServerOptions:
       v = getattr(self, name)
       if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         raise ValueError(f"{name} must be a positive int, got {v!r}")
-    if (not isinstance(self.handshake_timeout_s, (int, float))
-        or not 0 < self.handshake_timeout_s < float("inf")):
-      raise ValueError(
-          f"handshake_timeout_s must be positive finite seconds, got {self.handshake_timeout_s!r}")
+    for name in ("handshake_timeout_s", "connection_idle_s"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+        raise ValueError(f"{name} must be positive finite seconds, got {v!r}")
     if not isinstance(self.session_evict_s, (int, float)) or not self.session_evict_s >= 0:
       raise ValueError(f"session_evict_s must be seconds >= 0, got {self.session_evict_s!r}")
     stall.check_floor(self.stall_timeout_s)

@@ -39,10 +39,26 @@ def client_of(tokens: dict[bytes, str], metadata) -> str | None:
 HEALTH_METHODS = "/grpc.health.v1.Health/"
 
 
+def refusal(code: grpc.StatusCode, details: str) -> grpc.RpcMethodHandler:
+  """A handler that answers ``code`` at once, having read nothing of the request.
+
+  Request-streaming, whatever the method: gRPC reads a unary request in a server thread
+  before its handler runs, so a refusal handled as unary held that thread until the
+  request came. A client without a token that sent a call's headers and never its message
+  held one for ever: 64 such calls on one connection took every thread of the control
+  port, and no client could handshake any more (issue 76, attack round eight).
+  """
+  def refuse(requests, context):
+    context.abort(code, details)
+  return grpc.stream_stream_rpc_method_handler(refuse)
+
+
 class TokenAuth(grpc.ServerInterceptor):
   """Refuses every RPC but health's without ``authorization: Bearer <token>``, of one of
   ``tokens`` (read at each RPC: a reload swaps them); a token a reload revoked is refused
-  with the reason (its tenant was removed from the pool file, say)."""
+  with the reason (its tenant was removed from the pool file, say). A refusal reads
+  nothing of its request (``refusal``): it holds no server thread.
+  """
 
   def __init__(self, tokens: tenants_lib.Tokens, *, mtls: bool = False):
     self._tokens = tokens
@@ -50,27 +66,23 @@ class TokenAuth(grpc.ServerInterceptor):
     # by certificate (tls_names) come without a token, and the service says whose.
     self._mtls = mtls
 
-    def deny(request, context):
-      context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                    "AuthenticationError: missing or wrong token; present the job's token: "
-                    "token=... to a Controller, --token-file to a sidecar command, or "
-                    "SIDECAR_TOKEN / SIDECAR_TOKEN_FILE to either")
-    self._deny = grpc.unary_unary_rpc_method_handler(deny)
-
-    def deny_link(request, context):  # a handshake that carries the peer token's metadata
-      context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                    "AuthenticationError: another sidecar's replica link (the sidecars' own, "
-                    f"its handshake carries '{protocol.REPLICA_KEY}') presented no token this "
-                    "sidecar takes: the sidecars of one job share one peer token; give every "
-                    "sidecar the same --peer-token-file (or SIDECAR_PEER_TOKEN)")
-    self._deny_link = grpc.unary_unary_rpc_method_handler(deny_link)
+    self._deny = refusal(
+        grpc.StatusCode.UNAUTHENTICATED,
+        "AuthenticationError: missing or wrong token; present the job's token: token=... to "
+        "a Controller, --token-file to a sidecar command, or SIDECAR_TOKEN / "
+        "SIDECAR_TOKEN_FILE to either")
+    # A handshake that carries the peer token's metadata.
+    self._deny_link = refusal(
+        grpc.StatusCode.UNAUTHENTICATED,
+        "AuthenticationError: another sidecar's replica link (the sidecars' own, its "
+        f"handshake carries '{protocol.REPLICA_KEY}') presented no token this sidecar takes: "
+        "the sidecars of one job share one peer token; give every sidecar the same "
+        "--peer-token-file (or SIDECAR_PEER_TOKEN)")
 
   def _revoked(self, why: str):
-    def deny(request, context):
-      context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                    f"AuthenticationError: {why}; its token no longer works on this sidecar: "
-                    "ask the pool's operator")
-    return grpc.unary_unary_rpc_method_handler(deny)
+    return refusal(grpc.StatusCode.UNAUTHENTICATED,
+                   f"AuthenticationError: {why}; its token no longer works on this sidecar: "
+                   "ask the pool's operator")
 
   def intercept_service(self, continuation, handler_call_details):
     if handler_call_details.method.startswith(HEALTH_METHODS):

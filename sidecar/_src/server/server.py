@@ -14,7 +14,7 @@ import threading
 from concurrent import futures
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection
 
 from sidecar._src.arena import shm
@@ -48,6 +48,11 @@ from sidecar._src.server.limits import (
 )
 from sidecar._src.server.pool import departures as departures_lib, pool_file
 from sidecar._src.server.pool.tenant_checks import TenantCalls, TenantCheckpoints
+from sidecar._src.server.ports import (
+  health as health_lib,
+  health_port as health_port_lib,
+  strangers as strangers_lib,
+)
 from sidecar._src.server.service import Service
 from sidecar._src.server.tenancy import quotas as quotas_lib, tenants as tenants_lib
 from sidecar._src.server.workers.workers import WorkerListener
@@ -61,10 +66,12 @@ log = logging.getLogger(__name__)
 # Controllers ping every half peer timeout (at most every 10 s) while a stream is quiet,
 # to find a stopped sidecar: those pings are welcome, not strikes toward a GOAWAY.
 KEEPALIVE_OPTIONS = (("grpc.http2.min_ping_interval_without_data_ms", 100),)
-# The health port answers the kubelet, which opens a connection per probe: a few at once,
-# each closed when idle this long. A flood of idle connections takes these, no more.
-HEALTH_CONNECTIONS = 64
-HEALTH_IDLE_S = 30.0
+# Streams one connection of the control port may have open at once (a Controller keeps at
+# most 8 calls, 8 checkpoint rpcs and its feeds' streams in flight): past it, the client
+# waits for one to end. A client without a token opens them in vain: each is refused at once.
+STREAMS_PER_CONNECTION = 128
+# The health port answers the kubelet, which opens a connection per probe: a few at once.
+HEALTH_CONNECTIONS = health_port_lib.HEALTH_CONNECTIONS
 # The soft descriptor limit a sidecar raises itself to (within the hard one): its ports'
 # connection caps together stay well below it.
 NOFILE = 65536
@@ -251,7 +258,8 @@ class Server:
                            fetched=self.fetched)
     handshake = ("grpc.server_handshake_timeout_ms", int(o.handshake_timeout_s * 1000))
     nofile = _raise_nofile()
-    if nofile < 2 * (o.max_connections + HEALTH_CONNECTIONS + o.max_worker_connections):
+    # A health connection is three descriptors: the client's, the relay's, gRPC's end.
+    if nofile < 2 * (o.max_connections + 3 * HEALTH_CONNECTIONS + o.max_worker_connections):
       log.warning("the descriptor limit (%d) is below twice the connections this sidecar "
                   "keeps (max_connections=%d, health %d, worker socket %d): a flood of them "
                   "could leave none; raise `ulimit -n`", nofile, o.max_connections,
@@ -259,17 +267,23 @@ class Server:
     msg = [("grpc.max_receive_message_length", o.max_message_size),
            ("grpc.max_send_message_length", o.max_message_size),
            ("grpc.so_reuseport", 0), *KEEPALIVE_OPTIONS,
-           ("grpc.max_allowed_incoming_connections", o.max_connections), handshake]
+           ("grpc.max_allowed_incoming_connections", o.max_connections), handshake,
+           ("grpc.max_connection_idle_ms", int(o.connection_idle_s * 1000)),
+           ("grpc.max_concurrent_streams", STREAMS_PER_CONNECTION)]
     # Streams and checkpoint rpcs have budgets of their own: streams that never send a
     # credit, or saves that wait on a slow disk, cannot take the threads of handshakes,
     # calls and status.
     self._executors = [futures.ThreadPoolExecutor(o.threads + o.max_streams + CHECKPOINT_THREADS,
-                                              thread_name_prefix="sidecar-rpc"),
-                   futures.ThreadPoolExecutor(2, thread_name_prefix="sidecar-health")]
-    self._grpc = grpc.server(self._executors[0], options=msg,
-                             interceptors=[credentials.TokenAuth(tokens_holder,
-                                                      mtls=o.tls_client_ca is not None)]
-                             if tokens or tokens_holder.tls else [])
+                                                  thread_name_prefix="sidecar-rpc")]
+    interceptors: list[grpc.ServerInterceptor] = []
+    if tokens or tokens_holder.tls:
+      interceptors.append(credentials.TokenAuth(tokens_holder, mtls=o.tls_client_ca is not None))
+    # Over TCP, the connections that carried an RPC past the token: the others are
+    # strangers, bounded per peer and in time (ports/strangers.py).
+    self._admitted = strangers_lib.Admitted() if o.unix is None else None
+    if self._admitted is not None:
+      interceptors.append(self._admitted)
+    self._grpc = grpc.server(self._executors[0], options=msg, interceptors=interceptors)
     checkpoint = CheckpointService(checkpoints=self.checkpoints, arena_io=self.arena_io,
                                    sessions=sessions, metrics=self.metrics,
                                    per_client=named,
@@ -278,9 +292,9 @@ class Server:
     self._grpc.add_generic_rpc_handlers((self.service.handler(), checkpoint.handler()))
     reflection.enable_server_reflection(
         (protocol.SERVICE, protocol.CHECKPOINT_SERVICE, reflection.SERVICE_NAME), self._grpc)
-    self._health = health.HealthServicer()
+    self._health = health_lib.Health()
     if (unix := o.unix) is not None:  # one socket: the services and health, no port
-      health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
+      self._grpc.add_generic_rpc_handlers((self._health.handler(),))
       self._listen_unix(unix.path)
       self.address = unix.target
       self._grpc.start()
@@ -289,13 +303,10 @@ class Server:
                              credentials.tls_credentials(o))
       self.address = f"{_dialable(o.listen)}:{self.port}"
       self._grpc.start()
-      self._health_grpc = grpc.server(self._executors[1], options=[
-          ("grpc.so_reuseport", 0), ("grpc.max_allowed_incoming_connections", HEALTH_CONNECTIONS),
-          handshake, ("grpc.max_connection_idle_ms", int(HEALTH_IDLE_S * 1000))])
-      health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_grpc)
-      self.health_port = self._bind(self._health_grpc, f"{o.listen}:{o.health_port}",
-                                    "--health-port")
-      self._health_grpc.start()
+      assert self._admitted is not None
+      self.strangers = strangers_lib.Strangers(self.port, self._admitted,
+                                               grace_s=o.handshake_timeout_s).start()
+      self._serve_health(o, handshake)
     if isinstance(self.metrics, metrics_lib.Metrics):
       assert o.metrics_port is not None  # TCP always; a unix: sidecar's on loopback
       self.metrics_port = self.metrics.serve(
@@ -304,6 +315,23 @@ class Server:
               else health_pb2.HealthCheckResponse.NOT_SERVING)
     for name in ("", protocol.SERVICE):
       self._health.set(name, status)
+
+  def _serve_health(self, o: options_lib.ServerOptions, handshake: tuple[str, int]) -> None:
+    """The TCP health port: accepted by ``HealthPort`` (per peer and in total), relayed to
+    a gRPC server of its own on a Unix socket in a private directory, which takes one
+    stream per connection and has a thread per connection (ports/health_port.py)."""
+    slots = health_port_lib.HEALTH_CONNECTIONS
+    self._health_dir = health_port_lib.inner_dir()
+    inner = os.path.join(self._health_dir, health_port_lib.INNER_NAME)
+    self._executors.append(futures.ThreadPoolExecutor(slots, thread_name_prefix="sidecar-health"))
+    self._health_grpc = grpc.server(self._executors[-1], options=[
+        ("grpc.max_concurrent_streams", 1), ("grpc.max_allowed_incoming_connections", slots),
+        handshake])
+    self._health_grpc.add_generic_rpc_handlers((self._health.handler(),))
+    self._bind(self._health_grpc, f"unix:{inner}", "--health-port")
+    self._health_grpc.start()
+    self.health_front = health_port_lib.HealthPort(o.listen, o.health_port, inner).start()
+    self.health_port = self.health_front.port
 
   def _ceiling_of(self, name: str) -> int | None:
     """Tenant ``name``'s arena size: its ceiling (the whole arena without one); None if it
@@ -521,10 +549,17 @@ class Server:
       self._health.enter_graceful_shutdown()
     if isinstance(self.metrics, metrics_lib.Metrics):
       self.metrics.close()
+    for name in ("strangers", "health_front"):
+      if getattr(self, name, None) is not None:
+        getattr(self, name).close()
     for name in ("_grpc", "_health_grpc"):
       server = getattr(self, name, None)
       if server is not None:
         server.stop(grace).wait(grace + 1)
+    if getattr(self, "_health", None) is not None:
+      self._health.close()  # its watchers' threads
+    if getattr(self, "_health_dir", None) is not None:
+      health_port_lib.remove_inner_dir(self._health_dir)
     if getattr(self, "_client_ids", None) is not None:
       self._client_ids.close()
     if (unix := self.options.unix) is not None:  # ours only: not a live sidecar's

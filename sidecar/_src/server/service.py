@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 
 from sidecar._src.core import errors
-from sidecar._src.server import client_ids, credentials
+from sidecar._src.server import client_ids, client_log, credentials
 from sidecar._src.server.arenas.leases import Leases
 from sidecar._src.server.calls.calls import UnaryCalls
 from sidecar._src.server.calls.credits import Credits
@@ -109,24 +109,28 @@ class Service:
         "Stalled": unary(self.stalled, pb.StalledResponse),
     })
 
-  @staticmethod
-  def _log(e: Exception, what: str) -> None:
+  def _log(self, e: Exception, what: str, context: grpc.ServicerContext) -> None:
     """Our errors at INFO (the caller gets them; a pipeline's RemoteError was logged at
     ERROR, with its traceback, where it was raised: ``stream_runner``), anything else
-    (user code's in a call, or a fault of ours) at ERROR with its traceback."""
+    (user code's in a call, or a fault of ours) at ERROR with its traceback; within its
+    client's share of the log (``client_log``)."""
+    session = dict(context.invocation_metadata() or ()).get(protocol.SESSION_KEY)
+    who = client_log.client_of(self._sessions.client(session), session, context.peer())
+    said = client_log.DEFAULT
     if isinstance(e, errors.RemoteError):
-      log.info("%s: %s: %s", what, e.remote_type, protocol.for_log(e.remote_message))
+      said.info(log, who, "%s: %s: %s", what, e.remote_type, protocol.for_log(e.remote_message))
     elif isinstance(e, errors.SidecarError):
-      log.info("%s: %s: %s", what, type(e).__name__, protocol.for_log(e))
+      said.info(log, who, "%s: %s: %s", what, type(e).__name__, protocol.for_log(e))
     else:
-      log.error("%s raised %s: %s", what, type(e).__name__, protocol.for_log(e), exc_info=e)
+      said.log(log, logging.ERROR, who, "%s raised %s: %s", what, type(e).__name__,
+               protocol.for_log(e), exc_info=e)
 
   def _guard(self, fn: Callable[[Any, grpc.ServicerContext], Any]):
     def handle(raw: bytes, context: grpc.ServicerContext):
       try:
         return fn(raw, context)
       except Exception as e:  # Every failure becomes a status; the server keeps serving.
-        self._log(e, fn.__name__)
+        self._log(e, fn.__name__, context)
         protocol.abort(context, e)
     return handle
 
@@ -135,7 +139,7 @@ class Service:
       try:
         yield from fn(requests, context)
       except Exception as e:  # As _guard, for a streaming handler.
-        self._log(e, fn.__name__)
+        self._log(e, fn.__name__, context)
         protocol.abort(context, e)
     return handle
 

@@ -26,9 +26,11 @@ def health(address: str) -> int:
 
 
 def idle_connections(port: int, n: int) -> list[socket.socket]:
+  """``n`` idle connections from 8 loopback peers (the health port keeps 8 of one)."""
   out = []
-  for _ in range(n):
-    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+  for i in range(n):
+    s = socket.create_connection(("127.0.0.1", port), timeout=5,
+                                 source_address=(f"127.0.0.{2 + i % 8}", 0))
     out.append(s)
   return out
 

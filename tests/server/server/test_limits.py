@@ -599,7 +599,9 @@ def test_every_malformed_frame_is_answered(make_server, data, match):
 
 def test_worker_socket_connections_are_capped(make_server):
   server = make_server(max_worker_connections=3)
-  held = [attach(server), connect(server), connect(server)]  # two that say nothing yet
+  # Every place an attached worker's (a silent one gives way to a new connection:
+  # test_port_floods.py::test_silent_connections_keep_no_worker_out_of_the_worker_socket)
+  held = [attach(server), attach(server), attach(server)]
   refused = connect(server)
   reply, _ = ipc.recv(refused)
   assert reply["error"]["type"].endswith("ResourceExhaustedError")

@@ -18,7 +18,7 @@ import time
 from collections.abc import Generator, Iterator
 
 from sidecar._src.core import errors
-from sidecar._src.server import metrics as metrics_lib
+from sidecar._src.server import client_log, metrics as metrics_lib
 from sidecar._src.server.arenas.arena_io import Alive, BatchBlocks, TimeLeft
 from sidecar._src.server.calls.calls import Runner, measured
 from sidecar._src.server.calls.credits import CreditSource
@@ -243,9 +243,10 @@ def _log_failure(request: pb.CallRequest, e: Exception, tenant: str | None,
   kind, message = ((e.remote_type, e.remote_message) if isinstance(e, errors.RemoteError)
                    else (type(e).__name__, str(e)))
   session = request.worker_session
-  log.log(level, "%s%s raised %s: %s; its trainer is told, and this sidecar serves on", what,
-          who, kind, protocol.for_log(message), exc_info=e,
-          extra={"session": session} if session else None)
+  client_log.DEFAULT.log(
+      log, level, f"tenant {tenant!r}" if tenant else f"worker session {session}",
+      "%s%s raised %s: %s; its trainer is told, and this sidecar serves on", what, who, kind,
+      protocol.for_log(message), exc_info=e, extra={"session": session} if session else None)
 
 
 class FeedBook:

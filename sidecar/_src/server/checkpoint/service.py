@@ -29,7 +29,7 @@ import numpy as np
 from sidecar._src.ckptfmt.phases import Begin
 from sidecar._src.ckptfmt.records import Manifest
 from sidecar._src.core import errors
-from sidecar._src.server import metrics as metrics_lib
+from sidecar._src.server import client_log, metrics as metrics_lib
 from sidecar._src.server.arenas.arena_io import ArenaIO
 from sidecar._src.server.checkpoint import copies, links as links_lib, ram_yield, roots as roots_lib
 from sidecar._src.server.checkpoint.checkpoints import Checkpoints
@@ -250,11 +250,14 @@ class CheckpointService:
           with tenants_lib.acting_as(client):  # its blocks (reads) in its tenant's arena
             return fn(request, context)
       except Exception as e:  # Every failure becomes a status; the server keeps serving.
+        who = client_log.client_of(self._sessions.client(session), session, context.peer())
         if not isinstance(e, errors.SidecarError):
-          log.warning("%s raised %s: %s", label, type(e).__name__, protocol.for_log(e))
+          client_log.DEFAULT.warning(log, who, "%s raised %s: %s", label, type(e).__name__,
+                                     protocol.for_log(e))
           e = _documented(name, e)
         else:
-          log.info("%s: %s: %s", label, type(e).__name__, protocol.for_log(e))
+          client_log.DEFAULT.info(log, who, "%s: %s: %s", label, type(e).__name__,
+                                  protocol.for_log(e))
         code = protocol.status_code(e).name
         protocol.abort(context, e)
       finally:

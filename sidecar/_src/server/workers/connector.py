@@ -5,8 +5,9 @@ process that called ``connect()``), never the ``pid`` its attach message claims 
 69). The claim is only checked (an impossible pid is refused: :func:`claimed_pid`) and
 logged (:func:`claim_note`). The process is named by its pid *and its start*
 (``core/procfs.py``), read as soon as the connection is accepted, before the client says
-anything (:meth:`Connector.of`): a pid names that process only while it lives, and a process
-that connects and exits leaves a session whose pid the next process may get. So a
+anything (:meth:`Connector.of`, in the accept loop): a pid names that process only while
+it lives, and a process that connects and exits leaves a session whose pid the next
+process may get. So a
 session's pid is listed only while its own process lives (``goodput/steps.py``), whoever
 holds the connection since (issue 76, attack 5). Where the kernel gives no pid (a trainer in
 another PID namespace), the pid is 0: unverified.
@@ -19,7 +20,6 @@ pid counter.
 from __future__ import annotations
 
 import dataclasses
-import socket
 from typing import Any
 
 from sidecar._src.core import errors, procfs
@@ -35,8 +35,8 @@ class Connector:
   uid: int | None
 
   @classmethod
-  def of(cls, conn: socket.socket) -> Connector:
-    cred = ipc.ucred_or_none(conn)
+  def of(cls, cred: ipc.Ucred | None) -> Connector:
+    """The process of ``cred`` (the socket's ``SO_PEERCRED``, read as it was accepted)."""
     if cred is None:
       return cls(0, None, None)
     pid = cred.pid if 0 < cred.pid < ipc.PID_LIMIT else 0  # 0: another PID namespace's
@@ -46,7 +46,7 @@ class Connector:
 
 def claimed_pid(value: Any) -> int | None:
   """The pid an attach message claims, checked (None: it claims none). Only logged: the
-  session's pid is the kernel's (:class:`Peer`).
+  session's pid is the kernel's (:class:`Connector`).
 
   Raises:
     InvalidArgumentError: no process can have it (negative, 0, past any kernel's limit,
@@ -69,3 +69,15 @@ def claim_note(claimed: int | None, pid: int) -> str:
   if pid:
     return f" (it claimed pid {claimed}: another PID namespace's, or false; ignored)"
   return f" (it claimed pid {claimed}; the kernel gives none: another PID namespace)"
+
+
+def small_int(value: Any) -> int:
+  """An attach message's rank or restart: an int >= 0, else -1 (not given)."""
+  ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31
+  return value if ok else -1
+
+
+def user(cred: ipc.Ucred | None) -> str:
+  """Whose log lines a worker connection's are before it attaches: the Unix user the
+  kernel names (``client_log.py``)."""
+  return "a worker of an unknown user" if cred is None else f"the workers of uid {cred.uid}"

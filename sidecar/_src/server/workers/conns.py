@@ -16,6 +16,7 @@ import socket
 from collections.abc import Iterator
 
 from sidecar._src.core import errors
+from sidecar._src.server import client_log
 from sidecar._src.wire import ipc, protocol
 
 log = logging.getLogger(__name__)
@@ -38,19 +39,21 @@ def own_io() -> Iterator[None]:
     raise Gone(e) from e
 
 
-def log_failure(what: str, e: Exception, session: str) -> None:
+def log_failure(what: str, e: Exception, session: str, client: str) -> None:
   """Our errors at INFO (the caller gets them; a pipeline's RemoteError was logged at
   ERROR, with its traceback, where it was raised), anything else (user code's in a call,
-  or a fault of ours) at ERROR with its traceback."""
+  or a fault of ours) at ERROR with its traceback; within ``client``'s share of the log
+  (``client_log``)."""
+  said = client_log.DEFAULT
   if isinstance(e, errors.RemoteError):
-    log.info("%s: %s: %s", what, e.remote_type, protocol.for_log(e.remote_message),
-             extra={"session": session})
+    said.info(log, client, "%s: %s: %s", what, e.remote_type,
+              protocol.for_log(e.remote_message), extra={"session": session})
   elif isinstance(e, errors.SidecarError):
-    log.info("%s: %s: %s", what, type(e).__name__, protocol.for_log(e),
-             extra={"session": session})
-  else:
-    log.error("%s raised %s: %s", what, type(e).__name__, protocol.for_log(e), exc_info=e,
+    said.info(log, client, "%s: %s: %s", what, type(e).__name__, protocol.for_log(e),
               extra={"session": session})
+  else:
+    said.log(log, logging.ERROR, client, "%s raised %s: %s", what, type(e).__name__,
+             protocol.for_log(e), exc_info=e, extra={"session": session})
 
 
 def linger(conn: socket.socket, limit: int) -> None:

@@ -10,10 +10,11 @@ attached worker, carries one stream of descriptors: the fast path for batches,
 with no TCP and no HTTP/2 in the way. A ``calls`` connection carries one worker's
 unary calls, one after another (the fast path for ``ctl.call``).
 
-A worker's pid is the kernel's, with its process's start, taken as its connection is
-accepted (``connector.py``), never the ``pid`` its attach message claims; where the kernel
-gives none (a trainer in another PID namespace), or once that process is gone, the session's
-pid is listed as 0: unverified, and never signalled (``tools/watchdog.py``).
+A worker's pid is the kernel's: the socket's peer credentials (``SO_PEERCRED``) at
+attach, never the ``pid`` its attach message claims (issue 69). The claim is only
+checked (an impossible pid is refused) and logged. Where the kernel gives no pid (a
+trainer in another PID namespace), the session's pid is 0: unverified, listed as such in
+``Status.trainers``, and never signalled (``tools/watchdog.py``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any
 
 from sidecar._src.arena import shm
 from sidecar._src.core import errors, stall
-from sidecar._src.server import sockets
+from sidecar._src.server import client_log, sockets
 from sidecar._src.server.arenas import arenas as arenas_lib
 from sidecar._src.server.arenas.leases import Leases
 from sidecar._src.server.calls.calls import UnaryCalls
@@ -41,7 +42,7 @@ from sidecar._src.server.calls.stream_runner import StreamRunner
 from sidecar._src.server.goodput import ledgers as ledgers_lib, steps as steps_lib
 from sidecar._src.server.limits import check_prefetch
 from sidecar._src.server.tenancy import tenants as tenants_lib
-from sidecar._src.server.workers import connector, conns, session_blocks
+from sidecar._src.server.workers import connector, conns, session_blocks, silent
 from sidecar._src.wire import codec, feed_batch, ipc, protocol
 from sidecar._src.wire.protocol import pb
 
@@ -97,6 +98,7 @@ class WorkerListener:
     # them (a tenant removed from the pool file is told so, not "unknown session").
     self._ended: dict[str, str] = {}
     self._by_tenant: dict[str, int] = {}  # connections each tenant holds (with a pool)
+    self._silent = silent.Silent(max_connections)  # those yet to say their first frame
     self._closed = False
     ipc.check_socket_path(path, fix="give --socket (socket_path) a shorter path")
     self._made_dirs = sockets.make_dirs(os.path.dirname(os.path.abspath(path)),
@@ -124,6 +126,11 @@ class WorkerListener:
   def has_session(self, session: str) -> bool:
     with self._lock:
       return session in self._sessions
+
+  def client_of(self, session: str) -> str:
+    """Whose log lines a worker session's are (client_log.py): its tenant's, else its own."""
+    tenant = self._tenancy.of_worker(session)  # "": the one shared token's, no tenant
+    return f"tenant {tenant!r}" if tenant else f"worker session {session}"
 
   def pids(self) -> dict[str, int]:
     """The worker pid of each session attached now, as the kernel said at attach (0: it
@@ -171,14 +178,23 @@ class WorkerListener:
                       ACCEPT_RETRY_S)
         self._stop.wait(ACCEPT_RETRY_S)
         continue
-      thread = threading.Thread(target=self._serve, args=(conn,), name="sidecar-worker-conn",
-                                daemon=True)
-      with self._lock:
-        full = self._closed or len(self._connections) >= self.max_connections
+      cred = ipc.ucred_or_none(conn)  # who the kernel says connects
+      # The process behind it, named by its pid and start before it can say anything.
+      thread = threading.Thread(target=self._serve,
+                                args=(conn, cred, connector.Connector.of(cred)),
+                                name="sidecar-worker-conn", daemon=True)
+      with self._lock:  # a user's silent connections give way to another's (silent.py)
+        gone, full = [], True
+        if not self._closed:
+          gone, full = self._silent.arrive(
+              conn, cred, full=len(self._connections) >= self.max_connections)
         if not full:
           self._connections[conn] = thread
+      for old in gone:  # its thread ends it: its first frame never comes now
+        with contextlib.suppress(OSError):
+          old.shutdown(socket.SHUT_RDWR)
       if full:
-        self._refuse(conn)
+        self._refuse(conn, cred)
         continue
       try:
         thread.start()
@@ -188,10 +204,11 @@ class WorkerListener:
         log.warning("worker socket: cannot start a thread for a connection (%s)", e)
         conn.close()
 
-  def _refuse(self, conn: socket.socket) -> None:
+  def _refuse(self, conn: socket.socket, cred: ipc.Ucred | None) -> None:
     """Answers a connection past the limit with RESOURCE_EXHAUSTED and closes it."""
-    log.warning("worker socket: %d connections open, the limit; refused one",
-                self.max_connections)
+    client_log.DEFAULT.warning(log, connector.user(cred),
+                               "worker socket: %d connections open, the limit; refused one",
+                               self.max_connections)
     error = errors.ResourceExhaustedError(
         f"the sidecar's worker socket has {self.max_connections} connections open, its limit "
         "(max_worker_connections); close Workers and streams that are done")
@@ -200,14 +217,16 @@ class WorkerListener:
       ipc.send(conn, {"error": protocol.error_dict(error)})
     conn.close()
 
-  def _serve(self, conn: socket.socket) -> None:
+  def _serve(self, conn: socket.socket, cred: ipc.Ucred | None,
+             connecting: connector.Connector) -> None:
     session = None
+    who = connector.user(cred)  # whose log lines these are, until it attaches (client_log.py)
     counts = contextlib.ExitStack()  # the tenant's count of connections, once taken
-    who = connector.Connector.of(conn)  # who connected, before it can say anything
     try:
       conn.settimeout(FIRST_FRAME_S)
       with conns.own_io():
         message, _ = ipc.recv(conn)
+      self._silent.spoke(conn, cred)
       conn.settimeout(None)  # an attached worker may be quiet for hours
       if message.get("op") == "stream":
         return self._stream(conn, str(message.get("session")))
@@ -215,10 +234,10 @@ class WorkerListener:
         return self._serve_calls(conn, str(message.get("session")))
       if message.get("op") != "attach":
         raise errors.InvalidArgumentError(
-            f"first message must be attach, got {message.get('op')!r}")
-      tenant = self._attach_tenant(message, who.uid)
+            f"first message must be attach, got {message.get('op')!r:.64}")
+      tenant = self._attach_tenant(message, cred)
       claimed = connector.claimed_pid(message.get("pid"))  # InvalidArgumentError: impossible
-      pid = who.pid
+      pid = connecting.pid
       replica_link = tenants_lib.ReplicaAttach.parse(message.get("token")) is not None
       counts.enter_context(self._counted(tenant))  # ResourceExhaustedError: all taken
       reply = self._hello(message)  # raises VersionMismatchError on skew
@@ -231,9 +250,9 @@ class WorkerListener:
         if replica_link:
           self._replica_sessions.add(session)
         self._pids[session] = pid
-      self.steps.attach(session, pid=pid, pid_start=who.start, tenant=tenant,
-                        rank=_small_int(message.get("rank")),
-                        restart=_small_int(message.get("restart")))
+      self.steps.attach(session, pid=pid, pid_start=connecting.start, tenant=tenant,
+                        rank=connector.small_int(message.get("rank")),
+                        restart=connector.small_int(message.get("restart")))
       # Its tenant's arena, and no other: what it maps is all it can ever see.
       space = self._arenas.bind(session, tenant)
       arena = space.arena
@@ -242,8 +261,10 @@ class WorkerListener:
       shm.check_sealed(arena.fd)  # never a memfd whose size the worker could change
       with conns.own_io():
         ipc.send(conn, reply, fds=(arena.fd,))
-      log.info("worker pid %s attached as %s%s", pid or "unverified", session,
-               connector.claim_note(claimed, pid), extra={"session": session})
+      who = self.client_of(session)
+      client_log.DEFAULT.info(log, who, "worker pid %s attached as %s%s", pid or "unverified",
+                              session, connector.claim_note(claimed, pid),
+                              extra={"session": session})
       # Whether it reads {"queued": place} frames while an alloc waits its turn (a pool).
       frames = message.get("queue") is True
       while True:
@@ -255,7 +276,7 @@ class WorkerListener:
     except Exception as e:
       # Malformed frames included: answered, then the connection ends (after garbage,
       # nothing on it can be trusted to be a frame boundary).
-      conns.log_failure("worker connection", e, session or "-")
+      conns.log_failure("worker connection", e, session or "-", who)
       with contextlib.suppress(OSError):
         ipc.send(conn, {"error": protocol.error_dict(e)})
     finally:
@@ -269,15 +290,17 @@ class WorkerListener:
           self._ledgers.ended(session, ended.seen, stalled=ended.stalled)
         freed = self._leases.release_all(session)
         self._arenas.unbind(session)
+        client_log.DEFAULT.info(log, who, "worker session %s ended; %d arena blocks released",
+                                session, freed, extra={"session": session})
+        client_log.DEFAULT.flush(who)  # what its lines owe, where it is its own client
         self._tenancy.drop_worker(session)
-        log.info("worker session %s ended; %d arena blocks released", session, freed,
-                 extra={"session": session})
       counts.close()
+      self._silent.spoke(conn, cred)
       conn.close()
       with self._lock:
         self._connections.pop(conn, None)
 
-  def _attach_tenant(self, message: dict[str, Any], uid: int | None) -> str | None:
+  def _attach_tenant(self, message: dict[str, Any], cred: ipc.Ucred | None) -> str | None:
     """The tenant an attaching worker is: its token's (or its user's), or the one another
     sidecar's replica link names with the replica token (``tenants.ReplicaAttach``).
 
@@ -286,7 +309,7 @@ class WorkerListener:
         replica token is not this sidecar's, or whose tenant is none of the pool's.
     """
     # The user the kernel says the worker runs as.
-    return self._tenancy.worker_tenant(message.get("token"), uid)
+    return self._tenancy.worker_tenant(message.get("token"), None if cred is None else cred.uid)
 
   def _check_not_replica_link(self, session: str, what: str) -> None:
     """PermissionDeniedError where ``session`` is another sidecar's replica link: it maps
@@ -345,7 +368,7 @@ class WorkerListener:
       if not self.has_session(session):  # refused (or ended): its consumer reads why
         conns.linger(conn, ipc.MAX_MESSAGE)
     except errors.SidecarError as e:  # the tenant holds all the connections it may
-      conns.log_failure("stream", e, session)
+      conns.log_failure("stream", e, session, self.client_of(session))
       with contextlib.suppress(OSError):
         ipc.send_bytes(conn, pb.StreamItem(end=True, error=protocol.error_info(e))
                        .SerializeToString())
@@ -363,7 +386,8 @@ class WorkerListener:
       if first.WhichOneof("kind") != "start" or first.start.worker_session != session:
         raise errors.InvalidArgumentError("the first frame must start a stream for this session")
       credits = SocketCredits(conn, check_prefetch(first.prefetch),
-                               lambda freed: self._blocks.free(session, freed),
+                               lambda freed: self._blocks.free(
+                                   session, freed, client=self.client_of(session)),
                                on_taken=lambda n: self.steps.step(session, taken=n))
       producer = threading.get_ident()
 
@@ -402,7 +426,7 @@ class WorkerListener:
     except conns.Gone:
       return  # its consumer closed the connection, or died: nobody to tell
     except Exception as e:  # the pipeline's own (an OSError too), or ours
-      conns.log_failure("stream", e, session)
+      conns.log_failure("stream", e, session, self.client_of(session))
       end = pb.StreamItem(end=True, error=protocol.error_info(e))
     with contextlib.suppress(OSError):
       ipc.send_bytes(conn, end.SerializeToString())
@@ -415,7 +439,7 @@ class WorkerListener:
       with self._counted(self._tenancy.of_worker(session)):
         self._serve_calls_in(conn, session)
     except errors.SidecarError as e:  # nothing more on it can be trusted to be a frame
-      conns.log_failure("calls", e, session)
+      conns.log_failure("calls", e, session, self.client_of(session))
       with contextlib.suppress(OSError):
         ipc.send_bytes(conn, pb.CallResponse(error=protocol.error_info(e)).SerializeToString())
       conns.linger(conn, self._call_bytes)
@@ -437,7 +461,7 @@ class WorkerListener:
         with tenants_lib.acting_as(self._tenancy.of_worker(session)):
           response = self._calls.run(raw, session, alive=alive, worker=session)
       except Exception as e:  # this call's error, answered; the connection serves on
-        conns.log_failure("call", e, session)
+        conns.log_failure("call", e, session, self.client_of(session))
         response = pb.CallResponse(error=protocol.error_info(e))
       try:
         with conns.own_io():
@@ -457,7 +481,8 @@ class WorkerListener:
     if op == "cancel":  # sent while an alloc waited (Ctrl-C): that alloc has answered
       return
     if op == "free":
-      self._blocks.free(session, session_blocks.free_pairs(message.get("blocks", [])))
+      self._blocks.free(session, session_blocks.free_pairs(message.get("blocks", [])),
+                        client=self.client_of(session))
       return
     if op == "goodput":
       self._goodput(conn, session, message)
@@ -466,8 +491,9 @@ class WorkerListener:
       try:
         self.steps.phase(session, stall.Phase.from_dict(message))
       except ValueError as e:
-        log.warning("worker %s: a phase frame refused: %s", session, e,
-                    extra={"session": session})
+        client_log.DEFAULT.warning(log, self.client_of(session),
+                                   "worker %s: a phase frame refused: %s", session,
+                                   protocol.for_log(e), extra={"session": session})
       return
     if op == "alloc":
       reply = self._blocks.answer_alloc(conn, session, message, frames=frames)
@@ -476,7 +502,7 @@ class WorkerListener:
       return
     with conns.own_io():
       ipc.send(conn, {"error": protocol.error_dict(
-          errors.InvalidArgumentError(f"unknown op {op!r}"))})
+          errors.InvalidArgumentError(f"unknown op {op!r:.64}"))})
 
   def _goodput(self, conn: socket.socket, session: str, message: dict[str, Any]) -> None:
     """A frame of the goodput ledger (``server/goodput/ledgers.py``): answered where it asks
@@ -557,8 +583,3 @@ class WorkerListener:
       os.unlink(self.path)
     sockets.remove_dirs(self._made_dirs)
 
-
-def _small_int(value: Any) -> int:
-  """An attach message's rank or restart: an int >= 0, else -1 (not given)."""
-  ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31
-  return value if ok else -1

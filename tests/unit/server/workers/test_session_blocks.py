@@ -65,6 +65,21 @@ def test_a_stale_free_of_a_live_session_is_still_warned_of(blocks, caplog):
   with caplog.at_level(logging.DEBUG, logger="sidecar"):
     blocks.free(SESSION, [offset, generation])  # the worker's mistake: freed twice
   [warning] = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-  assert warning == (f"worker {SESSION}: arena block at offset {offset} generation "
-                     f"{generation} is not held by {SESSION!r}")
+  assert warning.startswith(
+      f"worker {SESSION}: 1 of the 1 arena blocks it freed are not held by it (released "
+      f"already, reused, or never its own), e.g. offset {offset} generation {generation}")
+  _end(blocks)
+
+
+def test_a_frame_of_many_stale_blocks_is_one_line_and_frees_the_rest(blocks, caplog):
+  """Issue 76: a 1 MB free frame of stale pairs wrote a line per pair (35 MB of log, 8 s
+  of the sidecar's CPU). Its session's own blocks in it still go back."""
+  mine = blocks.alloc([4096, 4096], SESSION, 0)
+  flat = [x for offset, _, generation in mine for x in (offset, generation)]
+  stale = [0, 1] * 100_000
+  with caplog.at_level(logging.DEBUG, logger="sidecar"):
+    blocks.free(SESSION, stale + flat)
+  [warning] = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+  assert "100000 of the 100002 arena blocks it freed are not held by it" in warning
+  assert blocks._leases.held_bytes()[0].get(SESSION, 0) == 0  # its two came back
   _end(blocks)
