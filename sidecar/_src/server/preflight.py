@@ -1,17 +1,20 @@
-"""What ``sidecar serve`` checks before it makes its arena: the mounts and the memory it needs.
+"""What ``sidecar serve`` checks before it makes its arena: the mounts, the memory and the
+descriptors it needs.
 
 In a container each of these is a mount or a limit of the pod spec, and each mistake would
 otherwise surface late: a socket directory on the read-only root after seconds of arena
 pre-faulting, a read-only checkpoint volume at the first save, an arena above the memory
 limit as an OOM kill, a socket directory where another user could take the socket's name
 as a client's token sent to an impostor. Each check raises at once with the flag, the path
-and the fix.
+and the fix. The descriptor limit is raised where the hard limit allows (:func:`raise_nofile`).
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 import os
+import resource
 
 from sidecar._src.arena import shm
 from sidecar._src.core import env as env_lib, options as options_lib
@@ -19,6 +22,24 @@ from sidecar._src.server import sockets
 
 SOCKET_FLAG = f"--socket or ${env_lib.SOCKET}"
 ROOTS_FLAG = f"--checkpoint-root, ${env_lib.CHECKPOINT_ROOTS}"
+log = logging.getLogger(__name__)
+
+# The soft descriptor limit a sidecar raises itself to (within the hard one): its ports'
+# connection caps together stay well below it.
+NOFILE = 65536
+
+
+def raise_nofile() -> int:
+  """Raises the soft RLIMIT_NOFILE toward ``NOFILE`` (never past the hard limit); returns it."""
+  soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+  want = NOFILE if hard == resource.RLIM_INFINITY else min(NOFILE, hard)
+  if soft != resource.RLIM_INFINITY and soft < want:
+    try:
+      resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+      soft = want
+    except (ValueError, OSError) as e:
+      log.warning("cannot raise the descriptor limit from %d to %d: %s", soft, want, e)
+  return soft
 
 
 def check(o: options_lib.ServerOptions) -> None:

@@ -72,25 +72,6 @@ KEEPALIVE_OPTIONS = (("grpc.http2.min_ping_interval_without_data_ms", 100),)
 STREAMS_PER_CONNECTION = 128
 # The health port answers the kubelet, which opens a connection per probe: a few at once.
 HEALTH_CONNECTIONS = health_port_lib.HEALTH_CONNECTIONS
-# The soft descriptor limit a sidecar raises itself to (within the hard one): its ports'
-# connection caps together stay well below it.
-NOFILE = 65536
-
-
-def _raise_nofile() -> int:
-  """Raises the soft RLIMIT_NOFILE toward ``NOFILE`` (never past the hard limit); returns it."""
-  import resource
-  soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-  want = NOFILE if hard == resource.RLIM_INFINITY else min(NOFILE, hard)
-  if soft != resource.RLIM_INFINITY and soft < want:
-    try:
-      resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-      soft = want
-    except (ValueError, OSError) as e:
-      log.warning("cannot raise the descriptor limit from %d to %d: %s", soft, want, e)
-  return soft
-
-
 class State(enum.Enum):
   NEW = "new"
   SERVING = "serving"
@@ -257,7 +238,7 @@ class Server:
                            max_request=o.max_message_size, tickets=self._tickets,
                            fetched=self.fetched)
     handshake = ("grpc.server_handshake_timeout_ms", int(o.handshake_timeout_s * 1000))
-    nofile = _raise_nofile()
+    nofile = preflight.raise_nofile()
     # A health connection is three descriptors: the client's, the relay's, gRPC's end.
     if nofile < 2 * (o.max_connections + 3 * HEALTH_CONNECTIONS + o.max_worker_connections):
       log.warning("the descriptor limit (%d) is below twice the connections this sidecar "
