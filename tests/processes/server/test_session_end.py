@@ -56,3 +56,26 @@ def test_a_trainer_stopped_while_its_batch_is_made_leaves_no_warning(tmp_path):
                         timeout=30), ctl.status()
     log = cluster.log(0)
   assert "not held by" not in log and " WARNING " not in log, log
+
+
+WORKERS_TRAINER = TRAINER.replace('"slow_after"', '"slow_map"').replace(
+    "prefetch=4", "prefetch=4, workers=2")
+
+
+def test_a_trainer_stopped_while_feed_workers_make_its_batches_leaves_no_traceback(tmp_path):
+  """The same with the feed's worker processes: a worker whose batch was in the making as
+  the feed ended found its socket closed when it answered, and printed a BrokenPipeError
+  traceback into the sidecar's log (``sidecar launch`` shows it as ``[sidecar 0] ...``)."""
+  with sidecar.testing.LocalCluster(num_hosts=1, imports=["tests.support.slow_feed"],
+                                    shm_size="16MiB") as cluster:
+    env = dict(os.environ, SIDECAR_HOSTS=cluster.host_entry(0), PYTHONPATH=str(ROOT),
+               JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    done = subprocess.run([sys.executable, "-c", WORKERS_TRAINER, "6"], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert "stopping" in done.stdout, done.stdout + done.stderr
+    with cluster.controller() as ctl:  # the feed ended: its workers' blocks came back
+      assert eventually(lambda: (s := ctl.status()[0]).arena_used == s.arena_kept,
+                        timeout=30), ctl.status()
+    log = cluster.log(0)
+  assert "BrokenPipeError" not in log and "BlockingIOError" not in log, log

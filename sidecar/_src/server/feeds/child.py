@@ -53,7 +53,10 @@ def serve(sock: socket.socket, arena_fd: int) -> None:
       reply = {"seq": task["seq"], "produce_s": time.perf_counter() - t0}
     except Exception as e:
       reply = {"seq": task["seq"], "error": protocol.error_dict(e)}
-    ipc.send(sock, reply)
+    try:
+      ipc.send(sock, reply)
+    except (ConnectionError, OSError):
+      return  # the feed ended while this batch was made: nobody waits for it
 
 
 def exit_now(code: int = 0) -> None:

@@ -198,13 +198,14 @@ class FeedProcesses:
     the feed: one ``recv``, no poll), else once it comes (``_wait_readable``); ``wait``
     False: BlockingIOError instead."""
     try:
-      frame = worker.answers.read(wait=False)
+      return ipc.message_of(worker.answers.read(wait=False))
     except BlockingIOError:
       if not wait:
         raise
-      self._wait_readable(worker.sock)
-      frame = worker.answers.read()
-    return ipc.message_of(frame)
+    # Not come yet: wait outside the handler (a consumer gone is its own error, not one
+    # raised while handling the empty read)
+    self._wait_readable(worker.sock)
+    return ipc.message_of(worker.answers.read())
 
   def _wait_readable(self, sock: socket.socket) -> None:
     """Returns once ``sock`` has data (or its end) to read; raises if the consumer died."""
