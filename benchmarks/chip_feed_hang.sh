@@ -37,6 +37,9 @@ python3 -c "import grain, grpc, PIL, optax, sidecar, pipelines.vision" 2>"$OUT/i
   || { tail -3 "$OUT/imports.log"; exit 2; }
 echo "setup $(( $(date +%s) - t0 )) s, $(nproc) cores" | tee "$OUT/$what.log"
 case "$what" in
+  hang)
+    timeout "$(left)" python3 -m benchmarks.stall_stop --rounds 2 --stall-timeout 5 \
+      --before .before 2>&1 | tee -a "$OUT/$what.log" ;;
   feed)
     timeout $(( $(left) - 200 )) python3 -m benchmarks.feed --transform heavy --cores 1,4,12 \
       --seconds 4 --warmup 3 --out "$OUT" 2>&1 | grep -v -i warn | tee -a "$OUT/$what.log"

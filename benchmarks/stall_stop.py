@@ -57,7 +57,8 @@ def _gone(pid: int) -> bool:
 def one_round(tree: pathlib.Path, timeout: float, standby: bool) -> dict:
   """One launch from ``tree``: the figures of its one hang (seconds), or an error."""
   with tempfile.TemporaryDirectory(prefix="stall-stop-") as work:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(ROOT)]),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(  # the tree first, then what was set
+        [str(tree), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
            "PYTHONUNBUFFERED": "1"}
     command = [sys.executable, "-m", "sidecar", "launch", "--hosts", "1", "--shm-size",
                "16MiB", "--import", "tests.support.feed_fns", "--stall-timeout", f"{timeout:g}",

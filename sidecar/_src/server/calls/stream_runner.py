@@ -219,8 +219,9 @@ def _reported(items: Items, request: pb.CallRequest, tenant: str | None) -> Item
     yield from items
   except errors.ClosedError as e:
     # Its trainer went (its session ended while a batch was made for it): nothing went
-    # wrong here, and nobody is left to tell.
-    _log_failure(request, e, tenant, logging.INFO)
+    # wrong here, and nobody is left to tell; a line, no traceback (a feed closed as its
+    # workers make batches does this at every close).
+    _log_failure(request, e, tenant, logging.INFO, traceback=False)
     raise
   except errors.SidecarError as e:
     # A feed worker's (a RemoteError, with its own traceback) and ours about the pipeline
@@ -236,7 +237,7 @@ def _reported(items: Items, request: pb.CallRequest, tenant: str | None) -> Item
 
 
 def _log_failure(request: pb.CallRequest, e: Exception, tenant: str | None,
-                 level: int = logging.ERROR) -> None:
+                 level: int = logging.ERROR, *, traceback: bool = True) -> None:
   what = (f"pipeline {request.name!r} (a feed)" if request.HasField("feed")
           else f"stream {request.name!r}")
   who = "" if tenant is None else f" of tenant {tenant!r}"
@@ -246,7 +247,8 @@ def _log_failure(request: pb.CallRequest, e: Exception, tenant: str | None,
   client_log.DEFAULT.log(
       log, level, f"tenant {tenant!r}" if tenant else f"worker session {session}",
       "%s%s raised %s: %s; its trainer is told, and this sidecar serves on", what, who, kind,
-      protocol.for_log(message), exc_info=e, extra={"session": session} if session else None)
+      protocol.for_log(message), exc_info=e if traceback else None,
+      extra={"session": session} if session else None)
 
 
 class FeedBook:
