@@ -33,7 +33,7 @@ from sidecar.v1 import (
 
 __all__ = ["ckpt_pb", "ckpt_pb_grpc", "pb"]
 
-PROTOCOL_VERSION = 16  # 2: the Checkpoint service; 3: an error is one pb.Error trailer;
+PROTOCOL_VERSION = 17  # 2: the Checkpoint service; 3: an error is one pb.Error trailer;
 # 4: replicas carry their sender's crc32c and need a peer session; 5: a feed batch is a
 # FeedBatch (its structure apart from its arrays), namedtuples travel; 6: a feed's length
 # (FeedSpec.length_only), no Ram rpc; 7: a worker's alloc asks for sizes (one block, or a
@@ -56,6 +56,11 @@ PROTOCOL_VERSION = 16  # 2: the Checkpoint service; 3: an error is one pb.Error 
 # 16: Info taken_over (a step the sidecars took over, from a RAM tier, durable or not) and
 # a RAM-tier Read of it: an in-process rollback does not wait for the disk; a Stage may
 # begin its step (begin_format): a save's first part, one round trip less
+# 17: a Delete may set a committed step aside (CheckpointDeleteRequest.set_aside: an older
+# sidecar would delete it); a feed's credit says where its trainer saved
+# (StreamRequest.saved_state_json) and FeedSpec.replay how many batches to keep for re-done
+# steps (StatusResponse.arena_kept); Status's trainers carry their phase, its length, their
+# last step's time and their process's CPU time (the watchdog tells busy from hung by it)
 SERVICE = "sidecar.v1.Sidecar"
 CHECKPOINT_SERVICE = "sidecar.v1.Checkpoint"  # internal: the checkpoint phases, no user calls
 SESSION_KEY = "sidecar-session"
