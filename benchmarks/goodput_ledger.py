@@ -38,7 +38,7 @@ import json
 import statistics
 from collections.abc import Sequence
 
-from sidecar._src.core import goodput as goodput_lib
+from sidecar._src.core import accounting
 
 CATEGORIES = ("launch", "startup", "redone", "stall", "rollback", "gap", "other")
 KINDS = ("kill", "hang", "error")  # the failures a benchmark injects
@@ -80,7 +80,7 @@ class Cost:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Account(goodput_lib.Split):
+class Account(accounting.Split):
   """The job's time as seen from outside (:func:`account`), with each failure's cost."""
   failures: int
   steps: int  # the final lineage's last step

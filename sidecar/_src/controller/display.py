@@ -184,6 +184,35 @@ def tier_rows(statuses: Sequence[pb.StatusResponse], directory: str) -> list[lis
   return rows
 
 
+def tier_table(status: Callable[[], Sequence[pb.StatusResponse]], directory: str, *,
+               as_html: bool = False) -> str:
+  """:func:`tier_rows` of one bounded Status (``status``) as a table; where it fails, one
+  row that says why (a display never raises)."""
+  try:
+    rows = tier_rows(status(), directory)
+  except Exception as e:  # a display never raises
+    rows = [["-", error_text(e), "", "", ""]]
+  return (html_table if as_html else text_table)(TIER_HEADER, rows)
+
+
+def save_progress(statuses: Sequence[pb.StatusResponse], directory: str, step: int
+                  ) -> str | None:
+  """How much of ``step`` of ``directory`` is durable (``Checkpointer.wait``'s progress
+  line); None until a sidecar has begun writing it."""
+  done = total = 0
+  seconds = 0.0
+  for s in statuses:
+    for c in s.checkpoints:
+      if c.directory == directory and step in c.writing:
+        done, total = done + c.written_bytes, total + c.total_bytes
+        seconds = max(seconds, c.writing_s)
+  if not total:
+    return None
+  rate = done / seconds / 1e9 if seconds else 0.0
+  return (f"saving step {step}: {shm.format_size(done)} of {shm.format_size(total)} "
+          f"durable ({rate:.2f} GB/s)")
+
+
 def _future_state(f: Any) -> str:
   if not f.done():
     return "pending"

@@ -6,8 +6,8 @@ report each batch taken (and how long ``next()`` blocked), its checkpointers eac
 binds the ledger to its directory: from then on the events go to this host's sidecar
 over the worker socket (``arena/worker.Worker.send_ledger``), which appends them to the
 ledger's file there and notes the process's death when its session ends without the
-``finish`` that ``Controller.close()`` sends (``server/goodput/ledgers.py``; the schema and the
-accounting: ``core/goodput.py``).
+``finish`` that ``Controller.close()`` sends (``server/goodput/ledgers.py``; the schema:
+``core/goodput.py``, the accounting: ``core/accounting.py``).
 
 Per batch the ledger client adds to a float and an int and compares a time stamp the feed
 already took: the counters travel with the events that happen anyway (a save, a restore)

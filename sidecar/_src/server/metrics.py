@@ -41,7 +41,7 @@ from prometheus_client import CollectorRegistry, exposition
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from sidecar._src.core import goodput as goodput_lib
+from sidecar._src.core import accounting
 from sidecar._src.server import metrics_server
 from sidecar._src.server.goodput import steps as steps_lib
 
@@ -146,7 +146,7 @@ class FeedTotals:
 @dataclasses.dataclass(frozen=True, slots=True)
 class GoodputFigures:
   """One goodput ledger kept on this sidecar (a tenant's, of a directory), accounted
-  (``core/goodput.account``)."""
+  (``core/accounting.account``)."""
   tenant: str  # "" without tenants
   ledger: str  # its directory's opaque id (opaque_id), never the path
   wall_s: float
@@ -157,7 +157,7 @@ class GoodputFigures:
 
   @classmethod
   def of(cls, tenant: str | None, ledger_id: str,
-         ledger: goodput_lib.Ledger) -> GoodputFigures:
+         ledger: accounting.Ledger) -> GoodputFigures:
     return cls(tenant=tenant or "", ledger=ledger_id, wall_s=ledger.wall_s,
                productive_s=ledger.productive_s, goodput=ledger.goodput,
                badput_s=tuple(ledger.badput_s.items()), restarts=ledger.restarts)

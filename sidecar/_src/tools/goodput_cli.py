@@ -19,7 +19,7 @@ import json
 import os
 import sys
 
-from sidecar._src.core import errors, extras, goodput as goodput_lib
+from sidecar._src.core import accounting, errors, extras, goodput as goodput_lib
 from sidecar._src.tools import cli_format, cli_types
 
 # What each category looks like on the timeline.
@@ -52,7 +52,7 @@ def _run(args: argparse.Namespace) -> int:
   except OSError as e:
     print(f"sidecar goodput: cannot read the ledger in {args.directory}: {e}", file=sys.stderr)
     return 1
-  ledger = goodput_lib.account(reading.events, skipped_lines=reading.skipped)
+  ledger = accounting.account(reading.events, skipped_lines=reading.skipped)
   if ledger.lives and ledger.lives[-1].ended == "running":  # the job runs: ask its sidecars
     ledger = _with_open_gap(args, reading, ledger)
   if args.plot:
@@ -63,12 +63,12 @@ def _run(args: argparse.Namespace) -> int:
       return 1
     print(f"sidecar goodput: drew the timeline to {os.path.abspath(args.plot)}",
           file=sys.stderr)  # stdout stays the table or the JSON
-  print(json.dumps(ledger.to_dict(), sort_keys=True) if args.json else goodput_lib.table(ledger))
+  print(json.dumps(ledger.to_dict(), sort_keys=True) if args.json else accounting.table(ledger))
   return 0
 
 
 def _with_open_gap(args: argparse.Namespace, reading: goodput_lib.Reading,
-                   ledger: goodput_lib.Ledger) -> goodput_lib.Ledger:
+                   ledger: accounting.Ledger) -> accounting.Ledger:
   """``ledger`` with its running life's open gap counted as its sidecars say
   (``goodput_live.open_gap``); each thing said in a line to stderr."""
   from sidecar._src.tools import cli_types, goodput_live
@@ -81,10 +81,10 @@ def _with_open_gap(args: argparse.Namespace, reading: goodput_lib.Reading,
   print(f"sidecar goodput: {gap.said}", file=sys.stderr)
   if not gap.events:
     return ledger
-  return goodput_lib.account([*reading.events, *gap.events], skipped_lines=reading.skipped)
+  return accounting.account([*reading.events, *gap.events], skipped_lines=reading.skipped)
 
 
-def bars(ledger: goodput_lib.Ledger) -> list[Bar]:
+def bars(ledger: accounting.Ledger) -> list[Bar]:
   """The timeline's spans: each life's startup, steps kept and steps thrown away (by its
   death, and by each rollback inside it), its phases and slow spans without a step, its
   stall before it was killed (if it stalled),
@@ -106,7 +106,7 @@ def bars(ledger: goodput_lib.Ledger) -> list[Bar]:
   return out
 
 
-def title(ledger: goodput_lib.Ledger) -> str:
+def title(ledger: accounting.Ledger) -> str:
   """The timeline's title: the goodput of the wall time, and where the axis runs longer
   (a run that finished, then a later one: nothing ran between), by how much and why."""
   plural = "" if ledger.restarts == 1 else "s"
@@ -119,7 +119,7 @@ def title(ledger: goodput_lib.Ledger) -> str:
   return text
 
 
-def life_label(row: int, life: goodput_lib.Life) -> str:
+def life_label(row: int, life: accounting.Life) -> str:
   """A life's name on the timeline: where it started from, and where it rolled back to
   inside the process."""
   label = f"life {row}: " + ("from scratch" if life.resumed_from is None
@@ -130,7 +130,7 @@ def life_label(row: int, life: goodput_lib.Life) -> str:
   return label
 
 
-def plot(ledger: goodput_lib.Ledger, path: str) -> None:
+def plot(ledger: accounting.Ledger, path: str) -> None:
   """Draws ``ledger``'s timeline to ``path`` (a PNG): one row per process life, labelled
   with the step it resumed from (:func:`life_label`), its spans (:func:`bars`), a tick
   at each save.

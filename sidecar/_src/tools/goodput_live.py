@@ -7,7 +7,7 @@ has the trainer whose pid the life's name holds (``pid@start``), when its last s
 whether it is stalled (past its stall timeout) and the long phase it announced. So
 :func:`open_gap` asks the sidecars (the ADDR arguments, else the job's as
 ``Controller.from_env()`` finds them) and adds what the ledger would hold if the life ended
-now, counted by the same rules (``core/goodput.py``):
+now, counted by the same rules (``core/accounting.py``):
 
 - a hang in progress past its timeout: a mark now that says it is stalled since its last
   step, so the time since that step is ``stall`` (before its timeout it is step time, as
@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from sidecar._src.core import errors, goodput as goodput_lib
+from sidecar._src.core import accounting, errors, goodput as goodput_lib
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -50,7 +50,7 @@ def addresses(given: Sequence[str]) -> list[str]:
     return []
 
 
-def open_gap(events: Sequence[goodput_lib.Event], life: goodput_lib.Life,
+def open_gap(events: Sequence[goodput_lib.Event], life: accounting.Life,
              trainers: Sequence[Any], *, now: float | None = None) -> Gap:
   """The events that count the time from ``life``'s last event to ``now`` (a running life
   of ``events``) as what it is, from ``trainers`` (``Status.trainers`` of its sidecars)."""

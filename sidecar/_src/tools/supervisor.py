@@ -79,7 +79,8 @@ class Supervisor:
                standby: Sequence[str] | None = None, stall_timeout: float = 0.0):
     self.command = list(command)
     self.lock = threading.Lock()
-    # Stalled trainers, and failures that recur before a first step (tools/watchdog.py).
+    # Stalled trainers, and what the rule for failures that recur is told (tools/watchdog.py;
+    # the rule: tools/recurring.py).
     # Each trainer's process group (this start's): the only CPU it reads, and signals.
     self.watchdog = watchdog_lib.Watchdog(
         lambda: {h: cluster.addresses[h] for h in self.hosts}, token=cluster.token,

@@ -43,18 +43,10 @@ acted on only where ``/proc`` shows that pid in the process group of the trainer
 launcher started for that rank (:func:`trainers.in_group`); any other is said once and
 left alone. Its CPU is read from that group, never from a listed pid.
 
-**Failures that recur.** A trainer that fails the same way (the same exit status and the
-same last error line of its output) :data:`REPEATS` times in a row, either before its
-first step or at the same step, ends the job with that failure instead of restarting it
-again (:meth:`Watchdog.recurs`): a typo in a path, or a bug that raises in step 30,
-fails the same way every time, and restarting it only hides the error under more output.
-"Before its first step": its sidecar saw it attach and its clock never started (the same
-signal as stalls). "At the same step": its position, the newest step the sidecars held
-when its life began (what it resumed from: as read when the life before it failed) plus
-the batches it took from their feeds, is the same in both lives. A trainer its sidecar
-never saw (one that failed before its Worker attached, or one that uses no sidecar, as a
-Grain + Orbax trainer under the same launcher) is restarted as before: no signal tells its
-steps from none.
+**Failures that recur.** A trainer that fails the same way before its first step, or at
+the same step, is not restarted again: the rule is ``recurring.py``'s; the watchdog gives it
+what the sidecars saw of each trainer (attached, stepped, its position: :meth:`Watchdog.recurs`)
+and each one's last output lines (:meth:`Watchdog.tap`).
 """
 
 from __future__ import annotations
@@ -71,7 +63,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import BinaryIO
 
 from sidecar._src.core import busy, env as env_lib, procfs, stacks, stall
-from sidecar._src.tools import trainers
+from sidecar._src.tools import recurring, trainers
 
 POLL_S = 1.0  # how often each sidecar's Status is read (and the trainers' CPU)
 AHEAD_S = 0.02  # a stall is looked for this long after its timeout would pass
@@ -79,16 +71,11 @@ SAMPLE_S = 0.2  # the trainers' CPU is read at most this often
 STATUS_TIMEOUT_S = 5.0
 STACKS_S = 1.0  # the longest a stalled trainer's stacks are waited for
 QUIET_S = 0.1  # its stacks are whole once its output is quiet this long after they began
-REPEATS = 2  # the same failure this often in a row (before a step, or at one) ends the job
 FIX = ("declare it: `with ctl.phase(\"eval\", budget_s=...)` (a Controller's; "
         "`Worker.phase` for a Worker used alone; docs/elastic.md), or raise --stall-timeout")
-# What `sidecar launch --help` says of this module's two rules.
+# What `sidecar launch --help` says of the watchdog's two rules (recurring.py's first).
 HELP = f"""\
-A trainer that fails the same way (exit status and last error line) {REPEATS} times in a
-row, after its Worker attached and before its first step, or at the same point (the step
-it resumed from plus the batches its feeds handed it), is not restarted again: the job
-ends with that failure.
-
+{recurring.HELP}
 --stall-timeout SECONDS (default {stall.DEFAULT_FLOOR_S:g}; 0: off): a trainer is timed from
 its first completed step (its start, a restore, its first compile are never watched);
 one that then makes no step (no feed batch taken, no save: its sidecar watches) for the
@@ -106,11 +93,9 @@ the job ends with exit code {stall.EXIT_CODE}. Only the process groups of the tr
 launcher started are ever signalled. The goodput ledger counts a hang as badput "stall",
 slow time as "slow", an announced phase by its name (docs/goodput.md).
 """
-_ERROR_LINE = re.compile(rb"^\s*([A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b.*)$")
 # faulthandler's lines: a thread's head, a frame, a thread with no Python frame.
 _STACK_LINE = re.compile(r"^((Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):|"
                          r"  File \".*\", line \d+ in |  <no Python frame>)")
-_LINE_CHARS = 300
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -137,25 +122,8 @@ class Stall:
     return stall.SLOW_MULTIPLE * self.timeout_s
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Failure:
-  code: int
-  line: str  # its output's last error line (or last line)
-  stepped: bool  # its sidecar saw its first completed step
-  seen: bool  # its sidecar saw it attach: "no step" means something
-  position: int | None  # the step it resumed from + the batches it took (None: unknown)
-
-  def same(self, other: _Failure) -> bool:
-    """The same failure: the same exit status and last error line, both before a first
-    step, or both at one and the same known step."""
-    if (self.code, self.line, self.seen, self.stepped) != (
-        other.code, other.line, other.seen, other.stepped):
-      return False
-    return not self.stepped or self.position is not None and self.position == other.position
-
-
 class _Tap:
-  """A trainer's output on its way out: remembers its last error line."""
+  """A trainer's output on its way out: each line noted (``note``) as it passes."""
 
   def __init__(self, out: BinaryIO, note: Callable[[bytes], None]):
     self._out, self._note = out, note
@@ -206,11 +174,9 @@ class Watchdog:
     self._directories: set[str] = set()  # the checkpoint directories the sidecars held
     self._refused: set[tuple[int, int, int, int]] = set()  # stalls not acted on, said once
     self._noted: dict[tuple[int, int, str], float] = {}  # slow/waiting said: its last step
-    self._lines: dict[int, str] = {}  # rank -> its output's last error line
-    self._last: dict[int, str] = {}  # rank -> its output's last line
     self._stack_line: dict[int, float] = {}  # rank -> when a line of its stacks came
     self._output = threading.Condition(self._lock)  # notified at each such line
-    self._failures: list[_Failure] = []  # the job's, in order, those before a step
+    self._failures = recurring.Failures()  # the restart rule's: its failures, their lines
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
 
@@ -492,49 +458,29 @@ class Watchdog:
   # ---- failures that recur ------------------------------------------------------------------
 
   def tap(self, rank: int, out: BinaryIO) -> _Tap:
-    """``out`` for rank ``rank``'s output, which notes its last error line."""
-    with self._lock:
-      self._lines.pop(rank, None)
-      self._last.pop(rank, None)
+    """``out`` for rank ``rank``'s output, which notes its last lines (the restart rule's)
+    and when a line of its Python stacks came (:meth:`kill` waits for them)."""
+    self._failures.begin(rank)
 
     def note(line: bytes) -> None:
-      text = line.decode(errors="replace").strip()
-      if not text:
-        return
-      text = text.split("] ", 1)[1] if text.startswith("[host ") and "] " in text else text
-      error = _ERROR_LINE.match(text.encode())
-      with self._lock:
-        self._last[rank] = text[:_LINE_CHARS]
-        if error:
-          self._lines[rank] = text[:_LINE_CHARS]
-        if _STACK_LINE.match(line.decode(errors="replace").split("] ", 1)[-1]):
+      self._failures.note(rank, line)
+      if _STACK_LINE.match(line.decode(errors="replace").split("] ", 1)[-1]):
+        with self._lock:
           self._stack_line[rank] = time.monotonic()
           self._output.notify_all()
     return _Tap(out, note)
 
   def recurs(self, rank: int, restart: int, code: int) -> str | None:
     """Notes that rank ``rank`` of start ``restart`` failed with ``code``; the reason to
-    end the job where this is the :data:`REPEATS`-th same failure in a row, before a
-    first step or at the same step, else None."""
+    end the job where it failed the same way as before, before a first step or at the same
+    step (the rule: ``recurring.Failures.recurs``), else None."""
     self.refresh()  # its last step may have come since the last poll
     with self._lock:
-      line = self._lines.get(rank) or self._last.get(rank) or ""
       key = (rank, restart)
       resumed = self._resumed.get(restart)
-      position = None if resumed is None or key not in self._seen else (
-          resumed + self._taken.get(key, 0))
-      failure = _Failure(code, line, key in self._stepped, key in self._seen, position)
-      self._failures.append(failure)
-      last = self._failures[-REPEATS:]
-    if not failure.seen or len(last) < REPEATS or not all(f.same(failure) for f in last):
-      return None
-    where = "before its first step" if not failure.stepped else (
-        f"at the same point of its run ({failure.position}: the step it resumed from plus "
-        "the batches its feeds handed it, those sent ahead included, so not the step it "
-        "raised in: its traceback names that)")
-    return (f"it failed the same way {REPEATS} times in a row {where} "
-            f"({trainers.how(code)}" + (f"; its last error: {line}" if line else "")
-            + "): a restart would fail again; not restarting it")
+      seen, stepped = key in self._seen, key in self._stepped
+      position = None if resumed is None or not seen else resumed + self._taken.get(key, 0)
+    return self._failures.recurs(rank, code, seen=seen, stepped=stepped, position=position)
 
 
 def watch_one(proc: subprocess.Popen, host: int, addresses: Callable[[], Mapping[int, str]],

@@ -15,7 +15,7 @@ import time
 import pytest
 
 import sidecar
-from sidecar._src.core import goodput
+from sidecar._src.core import accounting, goodput
 from tests.conftest import eventually
 from tests.support.metrics import samples, scrape, value
 from tests.support.paths import ROOT
@@ -72,7 +72,7 @@ def test_a_killed_and_restarted_trainer_adds_up(tmp_path):
   assert cli.returncode == 0, cli.stderr
   ledger = json.loads(cli.stdout)
   badput = ledger["badput_s"]
-  assert set(badput) == set(goodput.CATEGORIES)
+  assert set(badput) == set(accounting.CATEGORIES)
   assert ledger["productive_s"] + sum(badput.values()) == pytest.approx(ledger["wall_s"],
                                                                         rel=0.01)
   assert ledger["restarts"] == 1

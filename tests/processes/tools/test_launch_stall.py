@@ -1,6 +1,7 @@
 """``sidecar launch --stall-timeout``: a trainer that stops making steps is found by its
 sidecar's step signal, its stacks printed, killed and restarted; and the launcher's rule
-for failures that recur before a first step (tools/watchdog.py).
+for failures that recur before a first step (tools/recurring.py; tools/watchdog.py gives it
+what the sidecars saw).
 
 The hanging trainer is tests/support/stall_train.py: it trains with a feed and saves,
 then hangs in a C call (``time.sleep``, a socket read).

@@ -12,7 +12,7 @@ import pytest
 
 import sidecar
 from sidecar._src.controller import status as status_lib
-from sidecar._src.core import goodput
+from sidecar._src.core import accounting, goodput
 from tests.conftest import eventually
 from tests.support.metrics import samples, scrape, total
 from tests.support.paths import ROOT
@@ -70,7 +70,7 @@ def test_a_hung_trainer_is_stalled_in_status_metrics_and_sidecar_stalls(tmp_path
     assert eventually(lambda: goodput.read(directory)[-1].kind == "died", timeout=10)
     died = goodput.read(directory)[-1]
     assert died.stalled is not None and died.seen > died.stalled
-    assert goodput.account(goodput.read(directory)).badput_s["stall"] >= FLOOR_S
+    assert accounting.account(goodput.read(directory)).badput_s["stall"] >= FLOOR_S
     [t] = status_lib.fetch(address, timeout=10).trainers
     assert t.ended
     assert _stalls(address).returncode == 0

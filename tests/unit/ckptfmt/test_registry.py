@@ -103,11 +103,11 @@ def test_a_manifest_naming_an_unregistered_format_names_it_and_the_registered_on
 
 
 def test_a_sweep_puts_back_a_cut_overwrite_and_lists_the_uncommitted(tmp_path):
-  from sidecar._src.ckptfmt.dcp import distcp
-  (tmp_path / ("ck" + distcp.OLD_SUFFIX)).mkdir()
-  (tmp_path / ("ck" + distcp.OLD_SUFFIX) / ".metadata").write_bytes(b"\x80")
+  from sidecar._src.ckptfmt.dcp import commit as dcp_commit, distcp
+  (tmp_path / ("ck" + dcp_commit.OLD_SUFFIX)).mkdir()
+  (tmp_path / ("ck" + dcp_commit.OLD_SUFFIX) / ".metadata").write_bytes(b"\x80")
   (tmp_path / ("other" + distcp.TMP_SUFFIX)).mkdir()
-  (tmp_path / ("other" + distcp.TMP_SUFFIX) / distcp.MADE_FILE).write_bytes(b"")  # a save's
+  (tmp_path / ("other" + distcp.TMP_SUFFIX) / dcp_commit.MADE_FILE).write_bytes(b"")  # a save's
   (tmp_path / ("planted" + distcp.TMP_SUFFIX)).mkdir()  # no save's: never listed to remove
   (tmp_path / "4.orbax-checkpoint-tmp").mkdir()
   assert DcpFormat().sweep(tmp_path) == [tmp_path / ("other" + distcp.TMP_SUFFIX)]

@@ -27,6 +27,32 @@ def test_host_rows_show_an_unreachable_host_and_each_tier():
   assert "&lt;x&gt;" in html  # escaped
 
 
+def test_a_checkpointer_shows_each_hosts_tiers_and_a_status_that_failed_as_a_row():
+  s = pb.StatusResponse(checkpoints=[pb.CheckpointStatus(directory="/c", ram_steps=[4],
+                                                         writing=[5], written_bytes=10,
+                                                         total_bytes=20, writing_s=1e-8)])
+  s.identity.host_id = 3
+  text = display.tier_table(lambda: [s], "/c")
+  row = text.splitlines()[1].split()
+  assert row[:2] == ["3", "[4]"] and "[5]: 10 B of 20 B (1.00 GB/s)" in text
+
+  def fails():
+    raise sidecar.HostLostError("gone\nmore")
+  assert "HostLostError: gone" in display.tier_table(fails, "/c", as_html=True)
+
+
+def test_a_save_s_progress_sums_its_hosts_and_is_none_before_any_writes():
+  def status(written, total, seconds, step=5, directory="/c"):
+    return pb.StatusResponse(checkpoints=[pb.CheckpointStatus(
+        directory=directory, writing=[step], written_bytes=written, total_bytes=total,
+        writing_s=seconds)])
+  both = [status(1 << 30, 2 << 30, 0.5), status(1 << 30, 2 << 30, 2.0),
+          status(9 << 30, 9 << 30, 1.0, directory="/other")]
+  assert display.save_progress(both, "/c", 5) == (  # the rate: over the slower host's time
+      "saving step 5: 2.0 GiB of 4.0 GiB durable (1.07 GB/s)")
+  assert display.save_progress(both, "/c", 6) is None
+
+
 class _Tty(io.StringIO):
   def isatty(self) -> bool:
     return True

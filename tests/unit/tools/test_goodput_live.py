@@ -3,7 +3,7 @@ counted as its sidecar says it is. Tier 1: ledgers and Status records made here.
 
 import pytest
 
-from sidecar._src.core import goodput
+from sidecar._src.core import accounting
 from sidecar._src.core.goodput import Counters, Event
 from sidecar._src.tools import goodput_live
 from sidecar._src.wire.protocol import pb
@@ -23,13 +23,13 @@ def trainer(**kw):
 
 
 def gap(*trainers):
-  ledger = goodput.account(EVENTS)
+  ledger = accounting.account(EVENTS)
   return goodput_live.open_gap(EVENTS, ledger.lives[-1], trainers, now=100.0)
 
 
 def test_a_hang_past_its_timeout_is_stall_from_its_last_step():
   g = gap(trainer(stalled=True, since_step_s=35.0, last_step_unix=65.0))
-  ledger = goodput.account([*EVENTS, *g.events])
+  ledger = accounting.account([*EVENTS, *g.events])
   assert ledger.wall_s == 100.0 and ledger.badput_s["stall"] == pytest.approx(35.0)
   assert g.said == ("life 42@0.0 is stalled: no step for 35.0 s, past its stall timeout of "
                     "20.0 s: counted as stall since its last step")
@@ -37,7 +37,7 @@ def test_a_hang_past_its_timeout_is_stall_from_its_last_step():
 
 def test_a_gap_within_its_timeout_is_step_time_to_now():
   g = gap(trainer(since_step_s=5.0, last_step_unix=95.0))
-  ledger = goodput.account([*EVENTS, *g.events])
+  ledger = accounting.account([*EVENTS, *g.events])
   assert ledger.wall_s == 100.0 and ledger.badput_s["stall"] == 0.0
   assert g.said == ("life 42@0.0 is running, its last step 5.0 s ago (its stall timeout "
                     "20.0 s): counted to now")
@@ -45,7 +45,7 @@ def test_a_gap_within_its_timeout_is_step_time_to_now():
 
 def test_an_open_phase_is_counted_as_that_phase():
   g = gap(trainer(phase="eval", phase_s=30.0, since_step_s=30.0, last_step_unix=70.0))
-  ledger = goodput.account([*EVENTS, *g.events])
+  ledger = accounting.account([*EVENTS, *g.events])
   assert ledger.wall_s == 100.0 and ledger.badput_s["phase"] == pytest.approx(30.0)
   assert g.said == "life 42@0.0 is in phase 'eval' for 30.0 s: counted as that phase"
 

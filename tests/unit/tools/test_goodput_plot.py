@@ -5,7 +5,7 @@ import json
 import pytest
 
 import sidecar
-from sidecar._src.core import goodput
+from sidecar._src.core import accounting, goodput
 from sidecar._src.core.goodput import Counters, Event
 from sidecar._src.tools import cli, goodput_cli
 
@@ -33,13 +33,13 @@ def write(directory):
 
 
 def test_each_life_is_labelled_with_the_step_it_resumed_from():
-  ledger = goodput.account(EVENTS)
+  ledger = accounting.account(EVENTS)
   assert [goodput_cli.life_label(i, x) for i, x in enumerate(ledger.lives)] == [
       "life 0: from scratch", "life 1: resumed from step 10; rolled back to 10"]
 
 
 def test_the_timeline_draws_data_wait_checkpoint_and_restore_in_their_lives():
-  bars = goodput_cli.bars(goodput.account(EVENTS))
+  bars = goodput_cli.bars(accounting.account(EVENTS))
   spans = {(b.row, b.category): [] for b in bars}
   for b in bars:
     spans[(b.row, b.category)].append((b.start, b.end))
@@ -59,13 +59,13 @@ def test_the_timeline_draws_data_wait_checkpoint_and_restore_in_their_lives():
 def test_the_title_says_the_time_between_runs_the_axis_shows_and_the_wall_leaves_out():
   """Issue 79 item 5: the title said 102 s where the axis ran to ~122 s: a run that
   finished, then the same job run on later; the wall time leaves the time between out."""
-  assert goodput_cli.title(goodput.account(EVENTS)) == "goodput " + (
-      f"{100 * goodput.account(EVENTS).goodput:.1f}% of 50.0 s, 1 restart")
+  assert goodput_cli.title(accounting.account(EVENTS)) == "goodput " + (
+      f"{100 * accounting.account(EVENTS).goodput:.1f}% of 50.0 s, 1 restart")
   later = [*EVENTS,
            Event("start", "c", 70.1, Counters(), start=70.0, pid=3),
            Event("first_step", "c", 72.0, Counters(2, 0.0, 0.0, 0.0)),
            Event("finish", "c", 80.0, Counters(10, 0.0, 0.0, 0.0))]
-  ledger = goodput.account(later)
+  ledger = accounting.account(later)
   assert ledger.wall_s == pytest.approx(60.0)  # 0..50, then 70..80
   assert goodput_cli.title(ledger).endswith(
       "% of 60.0 s, 1 restart; the axis runs 80.0 s: 20.0 s between runs, nothing running, "
@@ -108,7 +108,7 @@ def test_a_plot_it_cannot_write_is_one_line_naming_the_path_and_why(
 
 def test_plot_raises_its_typed_error_for_a_path_it_cannot_write(tmp_path):
   pytest.importorskip("matplotlib")
-  ledger = goodput.account(EVENTS)
+  ledger = accounting.account(EVENTS)
   with pytest.raises(sidecar.InvalidArgumentError, match="No such file or directory") as info:
     goodput_cli.plot(ledger, str(tmp_path / "missing" / "t.png"))
   assert isinstance(info.value.__cause__, OSError)

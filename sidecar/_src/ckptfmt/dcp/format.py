@@ -27,7 +27,7 @@ import crc32c as crc32c_lib
 import numpy as np
 
 from sidecar._src.ckptfmt import dir_fd, names, records
-from sidecar._src.ckptfmt.dcp import archive, distcp
+from sidecar._src.ckptfmt.dcp import archive, commit as dcp_commit, distcp
 from sidecar._src.ckptfmt.dcp.parts import DcpCommit, DcpPart
 from sidecar._src.ckptfmt.dir_fd import DirFd
 from sidecar._src.ckptfmt.format import Allocate, Format, Numbering, Turn, Uncommitted
@@ -91,11 +91,11 @@ class DcpFormat(Format):
   def create_tmp(self, directory: str, step: int, *, at: DirFd | None = None
                  ) -> pathlib.Path:
     del step  # ``directory`` is the checkpoint's own path
-    return distcp.create_tmp(directory, at=at)
+    return dcp_commit.create_tmp(directory, at=at)
 
   def tmp_of(self, directory: str, step: int) -> str:
     del step
-    return str(distcp.tmp_path(directory))
+    return str(dcp_commit.tmp_path(directory))
 
   def final_of(self, path: pathlib.Path) -> Uncommitted | None:
     if not path.name.endswith(distcp.TMP_SUFFIX):
@@ -106,20 +106,20 @@ class DcpFormat(Format):
   def sweep(self, directory: pathlib.Path, *, at: DirFd | None = None) -> list[pathlib.Path]:
     with dir_fd.held(at, directory) as d:
       for name in d.names():
-        if name.endswith(distcp.OLD_SUFFIX):
-          distcp.recover(directory / name.removesuffix(distcp.OLD_SUFFIX), at=d)
+        if name.endswith(dcp_commit.OLD_SUFFIX):
+          dcp_commit.recover(directory / name.removesuffix(dcp_commit.OLD_SUFFIX), at=d)
       # Only what a save made is swept (STYLE 27): anything else of that name stays.
-      return [tmp for tmp in super().sweep(directory, at=d) if distcp.is_ours(tmp, at=d)]
+      return [tmp for tmp in super().sweep(directory, at=d) if dcp_commit.is_ours(tmp, at=d)]
 
   def scratch_suffixes(self) -> tuple[str, ...]:
-    return (distcp.TMP_SUFFIX, distcp.OLD_SUFFIX)
+    return (distcp.TMP_SUFFIX, dcp_commit.OLD_SUFFIX)
 
   def made_here(self, tmp: pathlib.Path, *, at: DirFd | None = None) -> bool:
     # Ours, or nothing there: never made, or removed since the look by another host's
     # abort (whose removal is one step: the directory renamed away, then its files).
     try:
       with dir_fd.held(at, tmp.parent) as d:
-        return distcp.is_ours(tmp, at=d) or d.lstat(tmp.name) is None
+        return dcp_commit.is_ours(tmp, at=d) or d.lstat(tmp.name) is None
     except FileNotFoundError:
       return True  # its directory is gone: nothing there
 
@@ -166,7 +166,7 @@ class DcpFormat(Format):
           f"tmp_dir {tmp_dir!r:.200} is not an uncommitted DCP step directory "
           f"(*{distcp.TMP_SUFFIX})")
     extra = _commit_extra(extra)
-    return str(distcp.finalize(tmp_dir, metadata=extra.metadata, file_sizes=extra.file_sizes,
+    return str(dcp_commit.finalize(tmp_dir, metadata=extra.metadata, file_sizes=extra.file_sizes,
                                manifest=manifest, swapping=swapping, at=at))
 
   def check_stored(self, final_dir: str, manifest: Manifest) -> None:

@@ -28,7 +28,6 @@ import time
 from collections.abc import Callable
 from typing import Any, Self
 
-from sidecar._src.arena import shm
 from sidecar._src.ckptfmt.spec import KeyPath
 from sidecar._src.controller import display, elastic as elastic_lib
 from sidecar._src.controller.checkpoint import fallback as fallback_lib, holds, ram_drop
@@ -361,12 +360,10 @@ class Checkpointer:
           "sharding=NamedSharding(mesh, spec)) for each leaf; under "
           "sidecar.torch.Checkpointer: model.state_dict(), filled in place")
     t0 = time.perf_counter()
-    step = self._pick(step)
-    steps = [step, *sorted((s for s in self.all_steps() if s < step), reverse=True)]
+    step = fallback_lib.pick(step, self.all_steps(), self.directory)
     self._restores += 1
     key = f"{self._key}/restore/{self._restores}"
-    if self._peers.count > 1:  # process 0 decides which steps; every process restores them
-      steps = json.loads(self._peers.broadcast(key, json.dumps(steps) if self._lead else None))
+    steps = fallback_lib.steps_to_try(step, self.all_steps(), peers=self._peers, key=key)
 
     def attempt(s: int) -> Any:
       with progress_lib.lines(progress, f"restoring step {s}") as report:
@@ -409,18 +406,7 @@ class Checkpointer:
   def data_state(self, step: int | None = None) -> dict[str, Any] | None:
     """The data position saved with ``step`` (default: the latest), or None."""
     self._follow()
-    return self._driver.data_state(self._pick(step))
-
-  def _pick(self, step: int | None) -> int:
-    steps = self.all_steps()
-    if step is None:
-      if not steps:
-        raise errors.InvalidArgumentError(f"no committed step in {self.directory} to restore")
-      return steps[-1]
-    if step not in steps:
-      raise errors.InvalidArgumentError(
-          f"step {step} does not exist in {self.directory}; committed steps: {steps or 'none'}")
-    return step
+    return self._driver.data_state(fallback_lib.pick(step, self.all_steps(), self.directory))
 
   # ---- listing and lifecycle ---------------------------------------------
 
@@ -489,7 +475,8 @@ class Checkpointer:
         try:
           interrupts.wait_done(handle.durable, timeout=1.0)
         except concurrent.futures.TimeoutError:
-          if line := self._progress_line(handle.step):
+          if line := display.save_progress(self._client.status(), self.directory,
+                                           handle.step):
             report(line)
     interrupts.wait_done(handle.durable)
     self._join()  # and the older steps max_to_keep drops are gone
@@ -498,36 +485,15 @@ class Checkpointer:
   def _raise_failures(self, where: str) -> None:
     """Raises the first failed save of this checkpointer that no later commit settled
     and that no save(), wait() or close() raised yet (later ones named in its notes);
-    each is raised once. ``where``: the call that raises it."""
-    error = self._failure(where)
-    if error is not None:
+    each is raised once. ``where``: the call that raises it. The failures of saves begun
+    before a loss are logged instead (:meth:`_follow`)."""
+    if (error := self._failures.unsettled(where, hosts=self.site.hosts)) is not None:
       raise error
-
-  def _failure(self, where: str) -> BaseException | None:
-    """The error :meth:`_raise_failures` raises (None: none), told to nobody again. The
-    failures of saves begun before a loss are logged instead (:meth:`_follow`)."""
-    self._failures.settle(hosts=self.site.hosts)
-    return self._failures.unsettled(where)
 
   def _join(self) -> None:
     """Waits until every save this process began has ended (its ``end`` ran: durable or
     failed, old steps deleted, replication settled)."""
     self._driver.join()  # every save's thread, which ends it
-
-  def _progress_line(self, step: int) -> str | None:
-    """How much of ``step`` is durable; None until a sidecar has begun writing it."""
-    done = total = 0
-    seconds = 0.0
-    for s in self._client.status():
-      for c in s.checkpoints:
-        if c.directory == self.directory and step in c.writing:
-          done, total = done + c.written_bytes, total + c.total_bytes
-          seconds = max(seconds, c.writing_s)
-    if not total:
-      return None
-    rate = done / seconds / 1e9 if seconds else 0.0
-    return (f"saving step {step}: {shm.format_size(done)} of {shm.format_size(total)} "
-            f"durable ({rate:.2f} GB/s)")
 
   def drop_ram_tier(self) -> ram_drop.RamTierDrop:
     """Drops this directory's durable RAM-tier copies on the sidecars this process
@@ -580,11 +546,8 @@ class Checkpointer:
     if self._closed:
       return
     self._close()  # the block's own error goes on; a failed save is said beside it
-    failure = self._failure("the checkpointer's with block, which raised")
-    if failure is not None:
-      log.error("%s: %s", type(failure).__name__, failure)
-      exc.add_note(f"also, a save failed: {type(failure).__name__}: {failure}"
-                   + "".join(f"; {n}" for n in getattr(failure, "__notes__", ())))
+    self._failures.note_on(exc, "the checkpointer's with block, which raised",
+                           hosts=self.site.hosts)
 
   def __repr__(self) -> str:
     return display.text_block("sidecar checkpointer", *self._display())
@@ -599,10 +562,6 @@ class Checkpointer:
                                        self.last_restore_stats(), self._closed)
     if self._closed:
       return facts, ""
-    try:
-      rows = display.tier_rows(self._client.status(timeout=display.STATUS_TIMEOUT_S),
-                               self.directory)
-    except Exception as e:  # a display never raises
-      rows = [["-", display.error_text(e), "", "", ""]]
-    make = display.html_table if html else display.text_table
-    return facts, make(display.TIER_HEADER, rows)
+    return facts, display.tier_table(
+        lambda: self._client.status(timeout=display.STATUS_TIMEOUT_S), self.directory,
+        as_html=html)

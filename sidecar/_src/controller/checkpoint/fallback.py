@@ -10,9 +10,10 @@ manifest and stored metadata check (the sidecar's Info: no byte of its shards is
 fails too. ``latest_step()`` stays the newest committed step whatever a restore found:
 the user decides.
 
-Under N processes, process 0 lists the steps to try and every process tries each in
-turn, all agreeing after each try (``Peers.all_gather``) whether every process restored
-it: a step corrupt in one process's shards is skipped by all.
+A restore starts from the step asked, or the latest committed (:func:`pick`). Under N
+processes, process 0 lists the steps to try (:func:`steps_to_try`) and every process tries
+each in turn, all agreeing after each try (``Peers.all_gather``) whether every process
+restored it: a step corrupt in one process's shards is skipped by all.
 """
 
 from __future__ import annotations
@@ -47,6 +48,34 @@ class Restored:
   tree: Any
   step: int
   skipped: tuple[Skipped, ...] = ()
+
+
+def pick(step: int | None, committed: Sequence[int], directory: str) -> int:
+  """The step a restore of ``step`` (or its ``data_state``) starts from: ``step``, or the
+  latest of ``committed`` (ascending) where None.
+
+  Raises:
+    InvalidArgumentError: ``step`` is not committed, or no step is.
+  """
+  if step is None:
+    if not committed:
+      raise errors.InvalidArgumentError(f"no committed step in {directory} to restore")
+    return committed[-1]
+  if step not in committed:
+    raise errors.InvalidArgumentError(
+        f"step {step} does not exist in {directory}; committed steps: "
+        f"{list(committed) or 'none'}")
+  return step
+
+
+def steps_to_try(step: int, committed: Sequence[int], *, peers: Peers, key: str
+                 ) -> list[int]:
+  """The steps a restore of ``step`` tries (:func:`restore`): ``step``, then the older of
+  ``committed``, newest first, as process 0 lists them (``key``: its broadcast)."""
+  steps = [step, *sorted((s for s in committed if s < step), reverse=True)]
+  if peers.count > 1:  # process 0 decides which steps; every process restores them
+    steps = json.loads(peers.broadcast(key, json.dumps(steps) if peers.index == 0 else None))
+  return steps
 
 
 def restore(steps: Sequence[int], attempt: Callable[[int], Any], *, fallback: bool,

@@ -143,14 +143,26 @@ class SaveFailures:
         f"ends here; {where} saved nothing (step {step} not saved)")
     return error
 
-  def unsettled(self, where: str) -> BaseException | None:
+  def unsettled(self, where: str, *, hosts: Sequence[int]) -> BaseException | None:
     """The first failed save of the row that no call raised and no handle told (the others
-    in its notes), told to nobody again; None: none. ``where``: the call that raises it."""
+    in its notes), told to nobody again; None: none. ``where``: the call that raises it.
+    The row is brought up to date first, and the failures of saves begun before a loss are
+    logged instead (:meth:`settle`; ``hosts``: the live hosts the checkpointer saves on)."""
+    self.settle(hosts=hosts)
     with self._lock:
       untold = [h for h in self._row if h.durable.untold() is not None]
       for h in untold:
         h.durable.told = True
     return self._error(untold, where) if untold else None
+
+  def note_on(self, exc: BaseException, where: str, *, hosts: Sequence[int]) -> None:
+    """Says the failure :meth:`unsettled` would raise beside ``exc``, the error the
+    checkpointer's ``with`` block raised, which goes on: logged, and in ``exc``'s notes."""
+    failure = self.unsettled(where, hosts=hosts)
+    if failure is not None:
+      log.error("%s: %s", type(failure).__name__, failure)
+      exc.add_note(f"also, a save failed: {type(failure).__name__}: {failure}"
+                   + "".join(f"; {n}" for n in getattr(failure, "__notes__", ())))
 
   def _error(self, row: list[SaveHandle], where: str) -> BaseException:
     """``row[0]``'s error, noted with its step, ``where`` raises it, the latest committed

@@ -16,7 +16,7 @@ of this host's share of STEP arrived (the formats wait for their writes only onc
 last one did) and its first shard is on disk, so it fails a whole step's write, never one
 mid-save; "eio@STEP" with EIO there (a failing disk), each "...:PATH" only once the file
 PATH exists (a test fails a write it held till then); "swap@STEP" kills it in the middle of a
-DCP commit that replaces a committed checkpoint at its path (``ckptfmt/dcp.finalize``).
+DCP commit that replaces a committed checkpoint at its path (``ckptfmt/dcp/commit.finalize``).
 """
 
 from __future__ import annotations

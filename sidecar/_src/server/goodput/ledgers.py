@@ -56,7 +56,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from sidecar._src.core import errors, goodput as goodput_lib
+from sidecar._src.core import accounting, errors, goodput as goodput_lib
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class Figures:
   """One ledger for ``/metrics``: whose, where, and its accounting."""
   tenant: str | None
   directory: str
-  ledger: goodput_lib.Ledger
+  ledger: accounting.Ledger
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -425,7 +425,7 @@ class Ledgers:
     with self._lock:
       jobs = [(tenant, directory, list(events)) for tenant, by_dir in self._jobs.items()
               for directory, events in by_dir.items()]
-    return [Figures(tenant, directory, goodput_lib.account(events))
+    return [Figures(tenant, directory, accounting.account(events))
             for tenant, directory, events in jobs]
 
   def close(self) -> None:

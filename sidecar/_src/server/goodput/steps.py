@@ -23,7 +23,7 @@ or waited for a trainer that did: a hung one is killed, and its time is ``stall`
 trainer container's liveness probe and ``sidecar slurm``'s jobs the same way
 (``sidecar stalls``), and ``/metrics`` carries each trainer's seconds since its last
 step. A session that ends while stalled writes its death to the goodput ledger with its
-last step (``stall``, ``core/goodput.py``). Ended sessions stay listed for
+last step (``stall``, ``core/accounting.py``). Ended sessions stay listed for
 :data:`KEEP_ENDED_S` (at most :data:`MAX_ENDED`), so a launcher that sees a trainer exit
 can still tell whether it made a step.
 

@@ -17,7 +17,7 @@ import torch
 
 import sidecar
 import sidecar.torch
-from sidecar._src.ckptfmt.dcp import distcp
+from sidecar._src.ckptfmt.dcp import commit as dcp_commit, distcp
 from sidecar._src.core import env as env_lib
 from sidecar._src.server.checkpoint import faults
 from tests.conftest import eventually
@@ -34,12 +34,12 @@ def test_an_open_during_a_trainers_commit_keeps_its_step_and_sweeps_a_dead_saves
   caplog.set_level(logging.INFO, logger="sidecar")
   server = make_server(shm_size=16 << 20)
   ck = tmp_path / "ck"
-  dead = distcp.create_tmp(ck / "7")  # a save that died before its commit left it
+  dead = dcp_commit.create_tmp(ck / "7")  # a save that died before its commit left it
   state = {"w": torch.arange(4096, dtype=torch.float32), "b": torch.full((3,), 1)}
   with sidecar.jax.Controller([f"127.0.0.1:{server.port}"], attach=False, timeout=30) as ctl, \
       sidecar.torch.Checkpointer(ck, controller=ctl) as ckpt:
     assert ctl.worker(0) is None and not dead.exists()  # no worker session; its open swept
-    dead = distcp.create_tmp(ck / "7")
+    dead = dcp_commit.create_tmp(ck / "7")
     handle = ckpt.save(1, state)
     try:
       assert eventually(lambda: "holding slowcommit of step 1" in caplog.text, 30)

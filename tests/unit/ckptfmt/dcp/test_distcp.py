@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-from sidecar._src.ckptfmt.dcp import archive, distcp
+from sidecar._src.ckptfmt.dcp import archive, commit as dcp_commit, distcp
 from sidecar._src.ckptfmt.records import Manifest, ShardId, ShardRecord, Staged, shard_crc32c
 from sidecar._src.core import errors
 
@@ -87,7 +87,7 @@ def metadata_for(ranks, shapes):
 
 
 def write_checkpoint(path, ranks, expected):
-  tmp = distcp.create_tmp(path)
+  tmp = dcp_commit.create_tmp(path)
   sizes, sums = {}, {}
   for rank, pairs in ranks.items():
     items = [item for item, _ in pairs]
@@ -96,7 +96,7 @@ def write_checkpoint(path, ranks, expected):
     # predecessors' records have not come waits for them).
     sums[rank] = distcp.write_rank_part(tmp, rank, len(items), reversed(staged(rank, pairs)))
   shapes = {k: np.shape(v) for k, v in expected.items() if isinstance(v, np.ndarray)}
-  final = distcp.finalize(tmp, metadata=metadata_for(ranks, shapes), file_sizes=sizes,
+  final = dcp_commit.finalize(tmp, metadata=metadata_for(ranks, shapes), file_sizes=sizes,
                        manifest=Manifest(distcp.FORMAT, (), ()))
   return final, sums
 
@@ -147,7 +147,7 @@ def test_a_ranks_items_are_written_in_turns_of_their_bytes(tmp_path):
   """With a turn (a pool tenant's share of the storage), every byte of an item is
   written holding one: the aligned part in pieces of at most TURN_BYTES, the tail too."""
   ranks, _ = two_ranks()
-  tmp = distcp.create_tmp(tmp_path / "ckpt")
+  tmp = dcp_commit.create_tmp(tmp_path / "ckpt")
   items = [item for item, _ in ranks[1]]
   turns = []
 
@@ -163,7 +163,7 @@ def test_a_ranks_items_are_written_in_turns_of_their_bytes(tmp_path):
 def test_nothing_is_visible_before_the_commit(tmp_path):
   ranks, expected = two_ranks()
   path = tmp_path / "ckpt"
-  tmp = distcp.create_tmp(path)
+  tmp = dcp_commit.create_tmp(path)
   items = [item for item, _ in ranks[0]]
   distcp.write_rank_part(tmp, 0, len(items), staged(0, ranks[0]))
   # Rank 1 never wrote: the commit refuses, and nothing is at the path.
@@ -171,10 +171,10 @@ def test_nothing_is_visible_before_the_commit(tmp_path):
   _, size1 = distcp.layout(1, [item for item, _ in ranks[1]])
   with pytest.raises(errors.InvalidArgumentError,
                      match=r"incomplete: rank 1's __1_0.distcp is missing"):
-    distcp.finalize(tmp, metadata=pickle.dumps(None), file_sizes={0: size0, 1: size1})
+    dcp_commit.finalize(tmp, metadata=pickle.dumps(None), file_sizes={0: size0, 1: size1})
   assert not path.exists() and not distcp.is_checkpoint(path)
   # A new attempt starts from a clean tmp directory.
-  assert distcp.create_tmp(path) == tmp and os.listdir(tmp) == [distcp.MADE_FILE]
+  assert dcp_commit.create_tmp(path) == tmp and os.listdir(tmp) == [dcp_commit.MADE_FILE]
 
 
 def test_a_committed_checkpoint_is_replaced_whole(tmp_path):
@@ -189,18 +189,18 @@ def test_a_committed_checkpoint_is_replaced_whole(tmp_path):
   dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
   assert torch.equal(state["w"], torch.from_numpy(expected["w"]))
   assert sorted(os.listdir(tmp_path)) == ["ckpt"]
-  tmp = distcp.create_tmp(path)
+  tmp = dcp_commit.create_tmp(path)
   with pytest.raises(FileExistsError, match="already committed"):
-    distcp.finalize(tmp, metadata=pickle.dumps(None), file_sizes={}, replace=False)
+    dcp_commit.finalize(tmp, metadata=pickle.dumps(None), file_sizes={}, replace=False)
 
 
 def test_finalize_writes_the_trainers_bytes_and_never_unpickles(tmp_path):
-  tmp = distcp.create_tmp(tmp_path / "ckpt")
+  tmp = dcp_commit.create_tmp(tmp_path / "ckpt")
   with pytest.raises(errors.InvalidArgumentError, match="pickle bytes"):
-    distcp.finalize(tmp, metadata=b"not a pickle", file_sizes={})
+    dcp_commit.finalize(tmp, metadata=b"not a pickle", file_sizes={})
   # A pickle whose loading would run code is only written, never loaded.
   evil = pickle.dumps(os.system)  # GLOBAL posix.system: loading it would import
-  final = distcp.finalize(tmp, metadata=evil, file_sizes={})
+  final = dcp_commit.finalize(tmp, metadata=evil, file_sizes={})
   assert (final / ".metadata").read_bytes() == evil
 
 
@@ -229,7 +229,7 @@ def test_an_item_round_trips_through_its_dict():
 
 
 def test_write_rank_part_refuses_wrong_or_missing_data(tmp_path):
-  tmp = distcp.create_tmp(tmp_path / "ckpt")
+  tmp = dcp_commit.create_tmp(tmp_path / "ckpt")
   a = np.arange(6, dtype=np.float32)
   items = [tensor_item("a", a), tensor_item("b", a)]
   def first(data):  # item 0's record (of ``a``), with ``data`` beside it

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from sidecar._src.ckptfmt.dcp import distcp
+from sidecar._src.ckptfmt.dcp import commit as dcp_commit, distcp
 from tests.support import races
 
 pytestmark = pytest.mark.unit
@@ -19,9 +19,9 @@ class Killed(Exception):
 
 
 def commit(path, tag, **kw):
-  tmp = distcp.create_tmp(path)
+  tmp = dcp_commit.create_tmp(path)
   (tmp / "tag").write_text(tag)
-  return distcp.finalize(tmp, metadata=META, file_sizes={}, **kw)
+  return dcp_commit.finalize(tmp, metadata=META, file_sizes={}, **kw)
 
 
 def test_an_overwrite_swaps_in_one_step_and_leaves_only_the_new_copy(tmp_path):
@@ -35,7 +35,7 @@ def test_an_overwrite_swaps_in_one_step_and_leaves_only_the_new_copy(tmp_path):
 
 
 def test_without_an_exchange_a_cut_overwrite_is_recovered_not_deleted(tmp_path, monkeypatch):
-  monkeypatch.setattr(distcp, "_exchange", lambda d, a, b: False)
+  monkeypatch.setattr(dcp_commit, "_exchange", lambda d, a, b: False)
   path = tmp_path / "ckpt"
   commit(path, "old")
 
@@ -43,9 +43,9 @@ def test_without_an_exchange_a_cut_overwrite_is_recovered_not_deleted(tmp_path, 
     raise Killed
   with pytest.raises(Killed):  # between the two renames: nothing at the path
     commit(path, "new", swapping=die)
-  assert not path.exists() and distcp.is_checkpoint(distcp.old_path(path))
-  assert distcp.recover(path) and (path / "tag").read_text() == "old"
-  assert not distcp.recover(path)  # nothing more to recover
+  assert not path.exists() and distcp.is_checkpoint(dcp_commit.old_path(path))
+  assert dcp_commit.recover(path) and (path / "tag").read_text() == "old"
+  assert not dcp_commit.recover(path)  # nothing more to recover
   with pytest.raises(Killed):
     commit(path, "new", swapping=die)
   commit(path, "newer")  # the next save puts the old copy back first, then replaces it
@@ -59,16 +59,16 @@ def test_a_sibling_no_save_made_is_never_removed(tmp_path):
   from sidecar._src.ckptfmt.dcp.format import DcpFormat
   from sidecar._src.core import errors
   path = tmp_path / "ckpt"
-  planted = distcp.tmp_path(path) / "keep.txt"
+  planted = dcp_commit.tmp_path(path) / "keep.txt"
   planted.parent.mkdir()
   planted.write_text("keep")
   with pytest.raises(errors.PermissionDeniedError, match="was not made by one"):
-    distcp.create_tmp(path)
+    dcp_commit.create_tmp(path)
   assert DcpFormat().sweep(tmp_path) == []  # an open's sweep passes it by
   assert planted.read_text() == "keep"
   planted.unlink()
   planted.parent.rmdir()
-  tmp = distcp.create_tmp(path)  # a save's own leftover is removed and made anew
+  tmp = dcp_commit.create_tmp(path)  # a save's own leftover is removed and made anew
   (tmp / "partial").write_text("x")
   assert DcpFormat().sweep(tmp_path) == [tmp]
   commit(path, "one")
@@ -80,7 +80,7 @@ def test_a_cut_overwrite_another_host_puts_back_first_is_left_to_it(tmp_path, mo
   the old copy to put back, the other renames it first. This open's own rename then
   found nothing (ENOENT failed the open); the copy is back, which is all it asked."""
   from sidecar._src.ckptfmt.dcp.format import DcpFormat
-  monkeypatch.setattr(distcp, "_exchange", lambda d, a, b: False)
+  monkeypatch.setattr(dcp_commit, "_exchange", lambda d, a, b: False)
   path = tmp_path / "ckpt"
   commit(path, "old")
 
@@ -88,14 +88,14 @@ def test_a_cut_overwrite_another_host_puts_back_first_is_left_to_it(tmp_path, mo
     raise Killed
   with pytest.raises(Killed):
     commit(path, "new", swapping=die)
-  real, old = distcp._is_checkpoint_in, distcp.old_path(path)
+  real, old = dcp_commit._is_checkpoint_in, dcp_commit.old_path(path)
 
   def other_host_first(d, name):
     found = real(d, name)
     if found and name == old.name:
       os.rename(old, path)  # the other sidecar's recover, between this one's check and rename
     return found
-  monkeypatch.setattr(distcp, "_is_checkpoint_in", other_host_first)
+  monkeypatch.setattr(dcp_commit, "_is_checkpoint_in", other_host_first)
   assert DcpFormat().sweep(tmp_path) == [path.with_name("ckpt" + distcp.TMP_SUFFIX)]
   assert (path / "tag").read_text() == "old" and not old.exists()
 
@@ -105,7 +105,7 @@ def test_a_leftover_another_host_removes_meanwhile_is_not_in_the_way(tmp_path, m
   while another host's open removes that leftover: found there, then gone before this
   save looked for the mark of a save in it, it was refused as not made by one."""
   path = tmp_path / "ckpt"
-  stale = distcp.create_tmp(path)
-  pending = races.removed_first(monkeypatch, distcp, "is_ours", stale)  # the other's sweep
-  assert distcp.create_tmp(path) == stale and not pending
-  assert (stale / distcp.MADE_FILE).is_file()  # made anew, by this save
+  stale = dcp_commit.create_tmp(path)
+  pending = races.removed_first(monkeypatch, dcp_commit, "is_ours", stale)  # the other's sweep
+  assert dcp_commit.create_tmp(path) == stale and not pending
+  assert (stale / dcp_commit.MADE_FILE).is_file()  # made anew, by this save

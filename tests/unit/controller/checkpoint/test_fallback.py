@@ -95,3 +95,37 @@ def test_every_process_skips_a_step_one_process_found_corrupt():
   for t in threads:
     t.join(30)
   assert results == {0: (4, [5, 4], [5]), 1: (4, [5, 4], [5])}
+
+
+@pytest.mark.parametrize("step, committed, match", [
+    (None, [], "no committed step in /ck to restore"),
+    (7, [3, 5], r"step 7 does not exist in /ck; committed steps: \[3, 5\]"),
+    (7, [], "step 7 does not exist in /ck; committed steps: none"),
+], ids=["none-committed", "not-committed", "not-committed-none"])
+def test_a_restore_of_a_step_not_committed_is_refused_naming_the_committed(step, committed,
+                                                                           match):
+  with pytest.raises(errors.InvalidArgumentError, match=match):
+    fallback.pick(step, committed, "/ck")
+
+
+def test_a_restore_starts_from_the_step_asked_or_the_latest():
+  assert fallback.pick(None, [3, 5, 9], "/ck") == 9
+  assert fallback.pick(5, [3, 5, 9], "/ck") == 5
+
+
+def test_process_0_lists_the_steps_every_process_tries_newest_first():
+  assert fallback.steps_to_try(5, [1, 3, 5, 9], peers=LocalPeers(), key="k") == [5, 3, 1]
+  store: dict = {}
+  results: dict = {}
+
+  def run(index):  # process 1 lists a step more (its view late): process 0's list holds
+    committed = [1, 3, 5] if index == 0 else [1, 2, 3, 5]
+    results[index] = fallback.steps_to_try(5, committed, peers=DictPeers(store, index, 2),
+                                           key="k")
+
+  threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(30)
+  assert results == {0: [5, 3, 1], 1: [5, 3, 1]}

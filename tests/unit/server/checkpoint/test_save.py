@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from sidecar._src.ckptfmt import dir_fd, records, registry as formats_lib, spec as spec_lib
-from sidecar._src.ckptfmt.dcp import distcp
+from sidecar._src.ckptfmt.dcp import commit as dcp_commit
 from sidecar._src.ckptfmt.orbax.format import OrbaxFormat
 from sidecar._src.ckptfmt.phases import Begin, Commit, Stage
 from sidecar._src.core import errors
@@ -537,8 +537,8 @@ def test_an_abort_another_hosts_abort_finishes_first_is_not_refused(
   # one found the uncommitted directory there, then the other's removal took it before
   # this one looked for the mark of a save in it: refused as "not made by a save".
   writer, _ = make_writer(Recording())
-  tmp = distcp.create_tmp(tmp_path / "ck" / "ckpt")
-  pending = races.removed_first(monkeypatch, distcp, "is_ours", tmp)  # the other's abort
+  tmp = dcp_commit.create_tmp(tmp_path / "ck" / "ckpt")
+  pending = races.removed_first(monkeypatch, dcp_commit, "is_ours", tmp)  # the other's abort
   writer.abort(str(tmp), str(tmp_path / "ck" / "ckpt"))
   assert not pending and os.listdir(tmp_path / "ck") == []
 
@@ -549,7 +549,7 @@ def test_an_uncommitted_directory_is_never_seen_half_removed(make_writer, tmp_pa
   # Another host that looks while this one removes a DCP save's uncommitted directory
   # must find it whole (with its mark of a save) or gone: its name goes before its files.
   writer, _ = make_writer(Recording())
-  tmp = distcp.create_tmp(tmp_path / "ck" / "ckpt")
+  tmp = dcp_commit.create_tmp(tmp_path / "ck" / "ckpt")
   real, seen = shutil.rmtree, []
 
   def watched(path, *args, **kwargs):
