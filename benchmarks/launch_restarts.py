@@ -10,8 +10,10 @@ the same sidecar each time, and the last start ends with 0.
 The failure this guards against: MaxText's colocated Grain sidecar leaked its worker
 processes at each restart (re-parented to PID 1) and step time went from 1.85 s to 60-200 s.
 Here every start's steps/s is printed beside the first's, with the feed worker processes
-its sidecar ran when it started (the killed trainers' leftovers: 0 expected) and how long
-after each SIGKILL the killed trainer's feed workers were gone.
+its sidecar ran when it started (the killed trainer's, kept idle for the next feed of the
+same work: ``--workers`` expected, never more) and what became of each killed trainer's
+feed workers: adopted by the next start's feed (the same processes), or gone how long after
+the SIGKILL (the sidecar's ``--feed-idle-s 0``, or a worker busy in a batch).
 """
 
 from __future__ import annotations
@@ -61,18 +63,22 @@ def one_launch(restarts: int, steps: int, workers: int) -> tuple[list[dict], lis
   err: list[str] = []
   reader = threading.Thread(target=lambda: err.extend(p.stderr))  # type: ignore[arg-type]
   reader.start()
-  results, gone = [], []
+  results, gone, watchers = [], {}, []
   for line in p.stdout:  # type: ignore[union-attr]
     if m := re.search(r"RESULT (\{.*\})", line):
       r = json.loads(m.group(1))
       results.append(r)
-      if r["kind"] == "kill":
-        gone.append(_gone_after(r["feed_workers"], r["t"]))
+      if r["kind"] == "kill":  # watched while the next start runs (it may adopt them)
+        watchers.append(threading.Thread(target=lambda r=r: gone.__setitem__(
+            r["restart"], _gone_after(r["feed_workers"], r["t"]))))
+        watchers[-1].start()
   p.wait()
   reader.join()
+  for w in watchers:
+    w.join()
   if p.returncode != 0:
     raise SystemExit(f"the launch failed ({p.returncode}):\n" + "".join(err))
-  return results, gone
+  return results, [gone[k] for k in sorted(gone)]
 
 
 def main() -> None:
@@ -85,17 +91,28 @@ def main() -> None:
   starts = {r["restart"]: r for r in results if r["kind"] == "start"}
   runs = {r["restart"]: r for r in results if r["kind"] == "run"}
   first = runs[0]["steps_per_s"]
+  kills = {r["restart"]: r for r in results if r["kind"] == "kill"}
+
+  def fate(k: int) -> str:
+    if k not in kills:
+      return "-"
+    if k + 1 in runs and set(runs[k + 1]["feed_workers"]) == set(kills[k]["feed_workers"]):
+      return "adopted by the next"
+    return f"gone after {gone[k]:.3f} s"
+
   rows = []
   for k in sorted(runs):
     rows.append([k, len(starts[k]["feed_workers"]), starts[k]["feeds"],
                  f"{runs[k]['steps_per_s']:.0f}", f"{runs[k]['steps_per_s'] / first:.3f}",
-                 f"{gone[k]:.3f}" if k < len(gone) else "-"])
-  print(table(["start (SIDECAR_RESTART)", "feed workers left at start", "feeds left",
-               "steps/s", "vs first", "its workers gone after SIGKILL (s)"], rows))
+                 fate(k)])
+  print(table(["start (SIDECAR_RESTART)", "feed workers at start (idle)", "feeds left",
+               "steps/s", "vs first", "its workers after its SIGKILL"], rows))
   last = runs[max(runs)]["steps_per_s"]
+  most = max(len(r["feed_workers"]) for r in [*starts.values(), *runs.values()])
   print(f"\nfirst run {first:.0f} steps/s, after restart {max(runs)} {last:.0f} steps/s: "
-        f"ratio {last / first:.3f}; feed workers gone {min(gone):.3f}-{max(gone):.3f} s "
-        f"after their trainer's SIGKILL")
+        f"ratio {last / first:.3f}; at most {most} feed worker processes at once "
+        f"(--workers {args.workers}); {sum(fate(k).startswith('adopted') for k in kills)} of "
+        f"{len(kills)} killed trainers' workers adopted by the next start")
 
 
 if __name__ == "__main__":

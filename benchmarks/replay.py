@@ -19,7 +19,8 @@ default) and without (``off``: ``--replay 0``, every batch decoded anew). Each m
 line holds the wait for that step's batch (``examples/vision/train.py``): rows give the
 mean (and median) wait of the first pass's steps (``analyse`` says which), of the re-done
 steps (all of them: the first includes the feed's opening), their ratio, and the wait of
-the steps after the re-done ones (the longest: the feed's workers catching up), and check
+the steps after the re-done ones (the longest: the feed's workers catching up, or starting
+where the ended feed's were not kept idle for it), and check
 every loss against an uninterrupted run of the same command, bit for bit. Prints a
 table and one JSON line (``--out``: also written there).
 """
@@ -109,8 +110,8 @@ def analyse(metrics: list[dict], reference: dict[int, float], fail_at: int) -> d
   workers starting); the re-done mean takes every re-done step, the first one included (it
   waits for the feed's opening: what a restart or a rollback pays); the longest wait of the
   steps after them apart (where the re-done steps were served from memory, the first step
-  past the kept batches waits for the feed's workers, started again, if they are not
-  done yet)."""
+  past the kept batches waits for the feed's workers if they are not done yet: started
+  again where the sidecar did not keep the ended feed's idle, ``--feed-idle-s``)."""
   segments: list[list[dict]] = [[]]
   for x in metrics:
     if segments[-1] and x["step"] <= segments[-1][-1]["step"]:

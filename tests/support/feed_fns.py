@@ -20,6 +20,16 @@ def ids(ctx: sidecar.PipelineContext, n: int = 1000, width: int = 4):
 
 
 @sidecar.pipeline
+def slow_ids(ctx: sidecar.PipelineContext, n: int = 1 << 16, delay: float = 0.01):
+  """As ``ids``, each example taking ``delay`` seconds: a feed's batches are in flight in
+  its workers a while."""
+  def element(i):
+    time.sleep(delay)
+    return {"id": np.int64(i), "x": np.full((4,), i, np.float32)}
+  return grain.MapDataset.range(n).map(element)
+
+
+@sidecar.pipeline
 def shard_ids(ctx: sidecar.PipelineContext, n: int = 1000):
   """A plain iterable of this shard's ids, from ``ctx.position``."""
   mine = range(ctx.shard_index, n, ctx.shard_count)

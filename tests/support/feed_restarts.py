@@ -2,8 +2,10 @@
 
 Run as ``sidecar launch --hosts 1 --max-restarts K --import tests.support.feed_fns --
 python -m tests.support.feed_restarts STEPS WORKERS FAILS [MARKER]``. On each start it reports its
-sidecar's feeds, arena use and feed worker processes before it opens its own feed (once
-none is left, or what is left after ``LEFT_S``), opens
+sidecar's feeds, arena use (beyond the batches it keeps for re-done steps) and feed worker
+processes (the last trainer's, kept idle for this one's feed) before it opens its own feed
+(once no feed and no arena block of the last trainer is left, or what is left after
+``LEFT_S``), opens
 the ``ids`` feed with ``FeedOptions(workers=WORKERS)``, times STEPS steps (a jitted matmul
 on each batch) and reports the steps/s and the feed worker processes then running. On the
 first FAILS starts (``SIDECAR_RESTART`` below FAILS) it then SIGKILLs itself, with its
@@ -66,13 +68,14 @@ def main(steps: str, workers: str, fails: str, marker: str = "") -> int:
 
     def left() -> tuple[int, int, list[int]]:
       status = ctl.status()[0]
-      return len(status.feeds), status.arena_used, feed_workers(sidecar_pid)
+      return (len(status.feeds), status.arena_used - status.arena_kept,
+              feed_workers(sidecar_pid))
 
     # The launcher starts this trainer once the last one exited, not once its sidecar
     # ended that one's session and feed (threads there, which a loaded machine may run a
     # little later): what is still there after LEFT_S is left for good.
     deadline, seen = time.monotonic() + LEFT_S, left()
-    while seen != (0, 0, []) and time.monotonic() < deadline:
+    while seen[:2] != (0, 0) and time.monotonic() < deadline:
       time.sleep(0.05)
       seen = left()
     emit("start", pid=os.getpid(), sidecar_pid=sidecar_pid, feeds=seen[0],

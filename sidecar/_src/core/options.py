@@ -16,6 +16,11 @@ DEFAULT_HEALTH_PORT = 8491
 LOOPBACK = "127.0.0.1"
 # With a token, ``sidecar serve`` listens on every interface unless told otherwise.
 ALL_INTERFACES = "[::]"
+# How long a feed's worker processes stay idle once its stream ended, for the next stream of
+# the same work (a rollback's ``Feed.seek``, a trainer restarted beside this sidecar) to
+# adopt them instead of starting new ones (seconds each: an interpreter importing JAX and
+# Grain): ``server/feeds/idle.py``, ``sidecar serve --feed-idle-s``. 0: stopped at once.
+FEED_IDLE_S = 120.0
 
 
 def is_loopback(listen: str) -> bool:
@@ -143,6 +148,9 @@ class ServerOptions:
   # RPC connects again).
   connection_idle_s: float = 120.0
   imports: tuple[str, ...] = ()  # modules the sidecar imported; feed workers import them too
+  # How long an ended feed's worker processes stay idle for the next feed of the same work
+  # (its pipeline, arguments, seed, rows, tenant): ``FEED_IDLE_S``; 0: stopped at once.
+  feed_idle_s: float = FEED_IDLE_S
   # Directories the checkpoint calls may act in (and below); none: they are refused.
   checkpoint_roots: tuple[str, ...] = ()
   # Port of the Prometheus /metrics endpoint, on ``listen``; None: no metrics; 0: a free one.
@@ -248,6 +256,10 @@ class ServerOptions:
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
         raise ValueError(f"{name} must be positive finite seconds, got {v!r}")
+    if (isinstance(self.feed_idle_s, bool) or not isinstance(self.feed_idle_s, (int, float))
+        or not 0 <= self.feed_idle_s < float("inf")):
+      raise ValueError(f"feed_idle_s (--feed-idle-s) must be finite seconds >= 0 (0: a feed's "
+                       f"workers stop with it), got {self.feed_idle_s!r}")
     if not isinstance(self.session_evict_s, (int, float)) or not self.session_evict_s >= 0:
       raise ValueError(f"session_evict_s must be seconds >= 0, got {self.session_evict_s!r}")
     stall.check_floor(self.stall_timeout_s)

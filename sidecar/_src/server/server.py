@@ -36,7 +36,7 @@ from sidecar._src.server.calls.stream_runner import StreamRunner
 from sidecar._src.server.checkpoint import links as links_lib
 from sidecar._src.server.checkpoint.checkpoints import Checkpoints
 from sidecar._src.server.checkpoint.service import CheckpointService
-from sidecar._src.server.feeds import kept as kept_lib
+from sidecar._src.server.feeds import idle as idle_lib, kept as kept_lib
 from sidecar._src.server.goodput import ledgers as ledgers_lib, steps as steps_lib
 from sidecar._src.server.limits import (
   CHECKPOINT_THREADS,
@@ -178,8 +178,10 @@ class Server:
                             is_attached=lambda session: self.workers.has_session(session))
     self.runner = Runner(registry=self.registry, arena_io=self.arena_io, metrics=self.metrics,
                          policy=call_policy)
+    # Feeds' worker processes, idle once their stream ended, for the next of the same work.
+    self.idle_workers = idle_lib.IdleWorkers(self.tenancy, grace=o.feed_idle_s)
     self.stream_runner = StreamRunner(self.runner, imports=o.imports, tenancy=self.tenancy,
-                                      replay=self.kept_batches)
+                                      replay=self.kept_batches, idle=self.idle_workers)
     sessions = Sessions(idle_s=o.session_idle_s, limit=o.max_sessions,
                         evict_idle_s=o.session_evict_s, tenancy=self.tenancy,
                         per_client=o.max_sessions_per_client)
@@ -370,6 +372,7 @@ class Server:
         # end now, its RAM-tier copies go): nothing written later is in that memfd.
         self.arenas.retire(name)
         self.workers.end(self.tenancy.workers_of(name), why)
+        self.idle_workers.release(name)
         self.checkpoints.release_ram(name)
       self.arenas.refresh()
     done = (f"pool file {o.pool} reloaded: {len(pool.tenants)} tenants"
@@ -528,6 +531,8 @@ class Server:
   def _teardown(self, grace: float = 0.0) -> None:
     if getattr(self, "_health", None) is not None:
       self._health.enter_graceful_shutdown()
+    if getattr(self, "idle_workers", None) is not None:
+      self.idle_workers.close()  # first: the feeds that end below stop their workers
     if isinstance(self.metrics, metrics_lib.Metrics):
       self.metrics.close()
     for name in ("strangers", "health_front"):

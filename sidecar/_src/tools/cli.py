@@ -268,6 +268,13 @@ def parser() -> argparse.ArgumentParser:
                  help=f"a trainer is stalled after {stall.RULE}: Status, /metrics and "
                       "`sidecar stalls` say so (sidecar launch restarts it); 0: never "
                       + _from_env(env_lib.STALL_TIMEOUT, f"{stall.DEFAULT_FLOOR_S:g}"))
+  s.add_argument("--feed-idle-s", type=float, metavar="SECONDS",
+                 default=options_lib.FEED_IDLE_S,
+                 help="how long an ended feed's worker processes stay idle, for the next "
+                      "feed of the same pipeline, arguments, seed and rows (a rollback's, a "
+                      "restarted trainer's) to adopt instead of starting new ones; counted "
+                      "against a pool tenant's feed_workers; 0: they stop with their feed "
+                      f"(default: {options_lib.FEED_IDLE_S:g})")
   s.add_argument("--insecure", action="store_true", default=_env(env_lib.INSECURE) == "1",
                  help="allow a non-loopback --listen without a token, logged as a warning "
                       "(default: off, or on with SIDECAR_INSECURE=1)")

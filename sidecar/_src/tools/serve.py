@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         insecure=args.insecure, imports=tuple(imports),
         checkpoint_roots=tuple(os.path.abspath(r) for r in args.checkpoint_roots),
         metrics_port=args.metrics_port, session_quota=args.session_quota,
-        stall_timeout_s=args.stall_timeout,
+        stall_timeout_s=args.stall_timeout, feed_idle_s=args.feed_idle_s,
         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
         socket_group=args.socket_group)
   except ValueError as e:

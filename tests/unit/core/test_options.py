@@ -16,8 +16,11 @@ pytestmark = pytest.mark.unit
     ({"token": "  "}, "token holds ' ' at position 0: a token must be visible ASCII"),
     ({"checkpoint_roots": "/ckpt"}, r"checkpoint_roots must be a tuple .*--checkpoint-root"),
     ({"checkpoint_roots": ("/ckpt", "")}, "checkpoint_roots must be a tuple of directory paths"),
+    ({"feed_idle_s": -1.0}, r"feed_idle_s \(--feed-idle-s\) must be finite seconds >= 0 "
+                            r"\(0: a feed's workers stop with it\), got -1.0"),
+    ({"feed_idle_s": float("inf")}, r"feed_idle_s \(--feed-idle-s\) must be finite"),
 ], ids=["host", "port", "same-port", "shm", "devices", "socket", "token", "roots-str",
-        "roots-empty"])
+        "roots-empty", "feed-idle-negative", "feed-idle-forever"])
 def test_bad_options_name_the_value(kwargs, match):
   with pytest.raises(ValueError, match=match):
     ServerOptions(**kwargs)

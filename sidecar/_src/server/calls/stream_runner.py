@@ -23,6 +23,7 @@ from sidecar._src.server.arenas.arena_io import Alive, BatchBlocks, TimeLeft
 from sidecar._src.server.calls.calls import Runner, measured
 from sidecar._src.server.calls.credits import CreditSource
 from sidecar._src.server.feeds import (
+  idle as idle_lib,
   kept as kept_lib,
   processes as feed_processes,
   producer,
@@ -45,17 +46,21 @@ class StreamRunner:
     runner: what decodes and checks a stream's arguments.
     imports: the modules a feed's worker processes import (the sidecar's own).
     replay: the feeds' kept batches (``feeds/kept.py``); None: none are kept.
+    idle: the feeds' worker processes kept idle between two streams of the same work
+      (``feeds/idle.py``); None: a feed's workers stop with it.
   """
 
   def __init__(self, runner: Runner, *, imports: tuple[str, ...] = (),
                tenancy: tenants_lib.Tenancy | None = None,
-               replay: kept_lib.KeptBatches | None = None):
+               replay: kept_lib.KeptBatches | None = None,
+               idle: idle_lib.IdleWorkers | None = None):
     self._runner = runner
     self._replay = replay
     self._io = runner.arena_io
     self._imports = imports
     self._book = FeedBook()
     self._tenancy = tenancy or tenants_lib.Tenancy(None)
+    self._idle = idle or idle_lib.IdleWorkers(self._tenancy, grace=0)
     # A pool's tenants with feeds share the feed workers' CPUs by weight (shares.py).
     self._shares = shares_lib.Shares(producer.MAX_WORKERS)  # the CPUs this sidecar may use
 
@@ -162,11 +167,19 @@ class StreamRunner:
     blocks = BatchBlocks(self._io, session, alive, time_left, tenant=tenant)
     t = self._tenancy.tenant(tenant) if self._tenancy.quotas else None
     turns = None if t is None else self._shares.turns(t.name, t.weight)
+    # The pipeline's data identity (checked against the state the feed resumes from): part
+    # of the key of its kept batches and of its idle workers.
+    data = functools.cache(lambda: producer.data_identity(entry, kwargs, spec, roots, alive))
+    lease: idle_lib.Lease | None = None
 
-    def make_workers() -> feed_processes.FeedProcesses:
-      return feed_processes.FeedProcesses(spec.workers, arena=blocks.arena, imports=self._imports,
-                            name=request.name, kwargs=request.kwargs, spec=request.feed,
-                            turns=turns, alive=alive, roots=roots)
+    def make_workers() -> contextlib.AbstractContextManager[feed_processes.FeedProcesses]:
+      def start() -> feed_processes.FeedProcesses:
+        return feed_processes.FeedProcesses(
+            spec.workers, arena=blocks.arena, imports=self._imports, name=request.name,
+            kwargs=request.kwargs, spec=request.feed, turns=turns, alive=alive, roots=roots)
+      if lease is None:
+        return start()
+      return lease.workers(start, size=spec.workers, turns=turns, alive=alive)
 
     check = functools.partial(blocks.check_batch, name=request.name,
                               prefetch=credits.prefetch)
@@ -174,18 +187,26 @@ class StreamRunner:
       return producer.produce(entry, kwargs, spec, blocks.alloc, make_workers, check, roots,
                               alive)
 
-    # Batches kept since the trainer's last save first, where this feed's are kept.
+    # Batches kept since the trainer's last save first, where this feed's are kept; workers
+    # left idle by the last stream of the same work, where there are.
     try:
+      if spec.workers:
+        key = kept_lib.FeedKey.of(tenant=tenant, pipeline=entry.name,
+                                  code_hash=entry.code_hash, kwargs=request.kwargs, spec=spec,
+                                  data=data())
+        lease = self._idle.lease(idle_lib.WorkKey.of(key, roots=roots, arena=blocks.arena_id),
+                                 session=session)
       batches = replay_lib.feed_batches(
           self._replay, request, spec, produce, entry=entry, kwargs=kwargs, blocks=blocks,
-          tenant=tenant, told=credits.take_saved,
-          data=lambda: producer.data_identity(entry, kwargs, spec, roots, alive))
+          tenant=tenant, told=credits.take_saved, data=data)
     except BaseException:
+      if lease is not None:
+        lease.close()
       blocks.close()
       raise
     status = pb.FeedStatus(pipeline=request.name, workers=spec.workers)
     try:
-      with self._tenancy.feeding(tenant, spec.workers), self._book.feeding(
+      with self._idle.feeding(tenant, spec.workers), self._book.feeding(
           status, credits, tenant), turns or contextlib.nullcontext():
         index = 0
         while True:
@@ -207,6 +228,8 @@ class StreamRunner:
           index += 1
     finally:
       batches.close()
+      if lease is not None:
+        lease.close()
       blocks.close()
 
 

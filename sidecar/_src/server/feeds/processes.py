@@ -7,6 +7,9 @@ worker writes the rows straight into those blocks and answers. A worker that
 dies is restarted and given its unfinished batches again, so the stream the
 trainer sees has no gap and no duplicate. Workers run as the sidecar does, JAX on
 the CPU and no accelerator in sight (``core/platform.py``): the trainer owns the chip.
+Workers whose feed ended may serve the next feed of the same work (``idle.py``): their
+batches in flight drained (:meth:`FeedProcesses.drain`), then adopted
+(:meth:`FeedProcesses.adopt`).
 """
 
 from __future__ import annotations
@@ -83,6 +86,7 @@ class FeedProcesses:
     self._workers: list[_Worker] = []
     self._seq = 0
     self._restarts = 0
+    self.slowest_s = 0.0  # the longest a worker took for one batch (``idle.py``'s drain)
     # Answers read before their batch was waited for (``_collect``), by sequence number.
     self._early: dict[int, dict[str, Any]] = {}
     self._answers = select.poll()  # every worker's socket: which have answered
@@ -177,6 +181,7 @@ class FeedProcesses:
     waited for, in order (a pipeline's error too)."""
     if worker.tasks.pop(reply["seq"], None) is not None and self._turns is not None:
       self._turns.give()
+    self.slowest_s = max(self.slowest_s, float(reply.get("produce_s", 0.0)))
     self._early[reply["seq"]] = reply
 
   def _collect(self) -> None:
@@ -258,6 +263,56 @@ class FeedProcesses:
                     w.proc.pid, STOP_GRACE)
         w.proc.kill()
         w.proc.wait()
+
+  @property
+  def pids(self) -> list[int]:
+    """The worker processes' ids, by worker."""
+    return [w.proc.pid for w in self._workers]
+
+  def drain(self, timeout: float) -> bool:
+    """Waits for the answer to every batch in flight and drops it (its feed ended), so that
+    none reaches the next feed these workers serve and none is written after its blocks
+    went back; the consumer's ``alive`` is no longer asked. False where an answer did not
+    come within ``timeout`` seconds (a batch stuck in the pipeline) or a worker died: then
+    only :meth:`close` is left."""
+    self._alive = None
+    deadline = time.monotonic() + timeout
+    try:
+      for worker in self._workers:
+        while worker.tasks:
+          try:
+            self._answered(worker, self._answer(worker, wait=False))
+          except BlockingIOError:
+            left = deadline - time.monotonic()
+            poller = select.poll()
+            poller.register(worker.sock, select.POLLIN)
+            if left <= 0 or not poller.poll(left * 1000):
+              return False
+    except (ConnectionError, OSError):
+      return False
+    finally:
+      self._early.clear()
+    return True
+
+  def adopt(self, size: int, *, turns: shares_lib.Turns | None,
+            alive: Callable[[], bool] | None) -> None:
+    """Serves another feed of the same work (drained: none of the last one's batches is
+    in flight): ``size`` workers (the surplus stopped, the lacking started, together), its
+    tenant's ``turns`` and its consumer's ``alive``; a restart budget of its own."""
+    assert not any(w.tasks for w in self._workers), "drain() first"
+    self._turns, self._alive, self._restarts = turns, alive, 0
+    if size < len(self._workers):
+      surplus, self._workers = self._workers[size:], self._workers[:size]
+      for w in surplus:
+        with contextlib.suppress(KeyError, ValueError):
+          self._answers.unregister(w.sock)
+      self._stop(*surplus)
+    first = len(self._workers)
+    self.size = size
+    for i in range(first, size):
+      self._workers.append(self._start(i, {}))
+    for i in range(first, size):
+      self._ready(i)
 
   def close(self) -> None:
     """Stops every worker (within ``STOP_GRACE`` seconds) and reaps it; idempotent."""

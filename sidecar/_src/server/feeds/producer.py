@@ -342,7 +342,8 @@ def produce(entry: registry_lib.Entry, kwargs: dict, spec: Spec, alloc: Alloc,
             ) -> Generator[tuple[Batch, dict[str, Any], float], None, None]:
   """Yields ``(batch, state after it, seconds spent producing it)`` per step.
 
-  With ``spec.workers``, ``make_workers()`` makes the worker processes that fill batches.
+  With ``spec.workers``, ``make_workers()`` gives the worker processes that fill batches
+  (a context manager: new ones, or those of an ended feed of the same work, ``idle.py``).
   ``check`` is told a batch's block sizes once known, before any is allocated. The
   pipeline reads files only beneath ``roots`` (each time it is opened), and a glob it
   walks as it opens stops once ``alive()`` is false (its feed's client gone).

@@ -443,6 +443,18 @@ class Tenancy:
     with self._feeds.hold(t), self._feed_workers.hold(t, workers):
       yield
 
+  @contextlib.contextmanager
+  def feed_workers(self, tenant: str | None, workers: int) -> Iterator[None]:
+    """Counts ``workers`` feed worker processes of ``tenant`` while the block runs: a
+    feed's apart from the feed itself (``feeding(tenant, 0)``), or those kept idle for its
+    next stream (``feeds/idle.py``).
+
+    Raises:
+      ResourceExhaustedError: they would pass the tenant's ``feed_workers`` quota.
+    """
+    with self._feed_workers.hold(self.tenant(tenant), workers):
+      yield
+
   def feed_counts(self) -> Mapping[str, tuple[int, int]]:
     """Each tenant's feeds and feed worker processes now."""
     feeds, workers = self._feeds.counts(), self._feed_workers.counts()

@@ -1,6 +1,10 @@
 """A trainer SIGKILLed with a feed of worker processes open: its feed ends in the sidecar at
-once, over the worker socket (attached) or gRPC (not), and its workers are gone within a
-second (5 s allowed), also when they are busy in a batch (killed after STOP_GRACE)."""
+once, over the worker socket (attached) or gRPC (not), and with ``--feed-idle-s 0`` (no
+worker kept idle for a next feed of the same work, ``server/feeds/idle.py``) its workers are
+gone within a second (5 s allowed), also when they are busy in a batch (killed after
+STOP_GRACE). With the default, they stay idle for a restarted trainer's feed
+(tests/processes/server/feeds/test_idle_workers.py), but where busy in a batch that does
+not end (``idle.DRAIN_S``): then they go as here."""
 
 import os
 import subprocess
@@ -37,7 +41,8 @@ TRAINER = """
 @pytest.fixture(scope="module")
 def cluster():
   with sidecar.testing.LocalCluster(num_hosts=1, devices_per_host=1, shm_size="32MiB",
-                                    imports=["tests.support.feed_fns"]) as c:
+                                    imports=["tests.support.feed_fns"],
+                                    extra_args=["--feed-idle-s", "0"]) as c:
     yield c
 
 
