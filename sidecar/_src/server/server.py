@@ -22,6 +22,7 @@ from sidecar._src.core import errors, options as options_lib
 from sidecar._src.server import (
   client_ids,
   credentials,
+  isolation,
   metrics as metrics_lib,
   policies,
   preflight,
@@ -48,6 +49,7 @@ from sidecar._src.server.pool import departures as departures_lib, pool_file
 from sidecar._src.server.pool.tenant_checks import TenantCalls, TenantCheckpoints
 from sidecar._src.server.service import Service
 from sidecar._src.server.tenancy import quotas as quotas_lib, tenants as tenants_lib
+from sidecar._src.server.tenant_procs.processes import TenantProcesses
 from sidecar._src.server.workers.workers import WorkerListener
 from sidecar._src.user import registry as registry_lib
 from sidecar._src.wire import ipc, protocol
@@ -177,8 +179,15 @@ class Server:
         replica_credentials=links_lib.replica_credentials(o.tls_cert, o.tls_key, o.tls_client_ca))
     self.arena_io = ArenaIO(self.leases, inline_limit=o.inline_limit,
                             is_attached=lambda session: self.workers.has_session(session))
+    # With a pool file, each tenant's calls, streams and feeds run in processes of its own,
+    # which the kernel bounds (ARCHITECTURE.md, "Tenant processes").
+    self.tenant_procs: TenantProcesses | None = None
+    if pool is not None and pool.quotas:
+      self.tenant_procs = TenantProcesses(
+          self.tenancy, self.arena_io, imports=self._tenant_imports(),
+          inline_limit=o.inline_limit, limit=o.max_message_size)
     self.runner = Runner(registry=self.registry, arena_io=self.arena_io, metrics=self.metrics,
-                         policy=call_policy)
+                         policy=call_policy, isolation=self.tenant_procs or isolation.IN_PROCESS)
     self.stream_runner = StreamRunner(self.runner, imports=o.imports, tenancy=self.tenancy)
     sessions = Sessions(idle_s=o.session_idle_s, limit=o.max_sessions,
                         evict_idle_s=o.session_evict_s, tenancy=self.tenancy,
@@ -292,6 +301,16 @@ class Server:
     for name in ("", protocol.SERVICE):
       self._health.set(name, status)
 
+  def _tenant_imports(self) -> tuple[str, ...]:
+    """The modules a tenant's process imports: the sidecar's ``--import``, and those its
+    registry's functions and pipelines live in (an in-process sidecar's registry)."""
+    found = [*self.options.imports]
+    for entry in self.registry:
+      module = getattr(entry.fn, "__module__", None)
+      if module and module != "__main__" and module not in found:
+        found.append(module)
+    return tuple(found)
+
   def _ceiling_of(self, name: str) -> int | None:
     """Tenant ``name``'s arena size: its ceiling (the whole arena without one); None if it
     is no tenant of the pool in force."""
@@ -349,6 +368,8 @@ class Server:
         self.arenas.retire(name)
         self.workers.end(self.tenancy.workers_of(name), why)
         self.checkpoints.release_ram(name)
+        if self.tenant_procs is not None and name != tenants_lib.OPERATOR:
+          self.tenant_procs.revoke(name, why)
       self.arenas.refresh()
     done = (f"pool file {o.pool} reloaded: {len(pool.tenants)} tenants"
             + (f"; removed {', '.join(removed)}" if removed else "")
@@ -523,6 +544,8 @@ class Server:
       executor.shutdown(wait=False, cancel_futures=True)
       for thread in list(getattr(executor, "_threads", ())):
         thread.join(grace + 1)
+    if (tenant_procs := getattr(self, "tenant_procs", None)) is not None:
+      tenant_procs.close()  # their jobs end with them; their blocks come back here
     if getattr(self, "departures", None) is not None:
       self.departures.close()
     if getattr(self, "ledgers", None) is not None:
