@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Generator
 from typing import Any, Protocol
 
+from sidecar._src.ckptfmt.records import ShardRecord
 from sidecar._src.user import data_roots, registry as registry_lib
 from sidecar._src.wire.protocol import pb
 
@@ -38,6 +39,12 @@ class TenantWork(Protocol):
            alive: Alive) -> Generator[tuple[Any, dict[str, Any], float], None, None]:
     """A feed's batches (``producer.Batch``, its state, its seconds), made into the blocks
     of ``blocks`` (``arena_io.BatchBlocks``), each when asked for."""
+    ...
+
+  def read(self, final_dir: str, record: ShardRecord, *, session: str, checked: bool,
+           alive: Alive, time_left: TimeLeft) -> Any:
+    """A checkpoint shard read from storage (an array: in a block pinned for ``session``,
+    else inline)."""
     ...
 
   def length(self, entry: registry_lib.Entry, request: pb.CallRequest, *,

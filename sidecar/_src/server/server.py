@@ -270,7 +270,8 @@ class Server:
                                    sessions=sessions, metrics=self.metrics,
                                    per_client=named,
                                    slots=checkpoint_slots, inline=inline,
-                                   tenancy=self.tenancy)
+                                   tenancy=self.tenancy,
+                                   isolation=self.tenant_procs or isolation.IN_PROCESS)
     self._grpc.add_generic_rpc_handlers((self.service.handler(), checkpoint.handler()))
     reflection.enable_server_reflection(
         (protocol.SERVICE, protocol.CHECKPOINT_SERVICE, reflection.SERVICE_NAME), self._grpc)

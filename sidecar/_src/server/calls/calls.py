@@ -9,19 +9,16 @@ from :meth:`Runner.prepare` too. What touches the arena is ``arena_io``'s.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import functools
 import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
 
 import numpy as np
 
 from sidecar._src.core import errors
-from sidecar._src.server import isolation as isolation_lib, metrics as metrics_lib, policies
+from sidecar._src.server import isolation as isolation_lib, limits, metrics as metrics_lib, policies
 from sidecar._src.server.arenas.arena_io import Alive, ArenaIO, TimeLeft
 from sidecar._src.server.calls import argument_types
 from sidecar._src.server.limits import InlineBytes, Slots
@@ -290,7 +287,7 @@ class UnaryCalls:
         del views  # its tenant process decodes it, into its own memory
         return self._elsewhere(work, raw, request, alive=alive, time_left=time_left,
                                splice=inline is not None)
-      _trim_heap()
+      limits.trim_heap()
       return pb.CallResponse(result=self.runner.call(
           request, alive=alive, time_left=time_left, views=views, inline=inline))
 
@@ -315,23 +312,6 @@ def _set_aside(arrays: list[np.ndarray], a: np.ndarray) -> codec.ArenaRef:
   """``a`` put in ``arrays``; the placeholder ``pbscan.splice_arrays`` replaces by it."""
   arrays.append(a)
   return codec.ArenaRef(len(arrays) - 1, a.nbytes, 0, a.dtype.name, a.shape)
-
-
-@functools.cache
-def _malloc_trim() -> Any:
-  name = ctypes.util.find_library("c")
-  fn = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
-  return fn
-
-
-def _trim_heap() -> None:
-  """Gives the C heap's free pages back to the system (glibc's ``malloc_trim``; elsewhere
-  nothing). gRPC hands a large message over as one bytes object made from the transport's
-  slices; the ~1x of freed chunks stays in the process, counted in its RSS, under the copy
-  the decoder then makes: a 128 MiB call peaked at 3.6x its size, not 3x."""
-  trim = _malloc_trim()
-  if trim is not None:
-    trim(0)
 
 
 def _time_left(start: float, timeout_s: float) -> TimeLeft:

@@ -23,8 +23,10 @@ from typing import TypeVar
 import numpy as np
 
 from sidecar._src.arena import shm
+from sidecar._src.ckptfmt import records
 from sidecar._src.core import errors
 from sidecar._src.server.calls import calls as calls_lib
+from sidecar._src.server.checkpoint import read as checkpoint_read
 from sidecar._src.server.feeds import producer
 from sidecar._src.server.tenant_procs import limits as limits_lib, messages as m
 from sidecar._src.user import data_roots, outputs, registry as registry_lib
@@ -232,7 +234,8 @@ def serve(sock: socket.socket, arenas: Arenas, limits: limits_lib.ProcessLimits)
     elif isinstance(job, m.FeedJob):
       _feed(asker, job, payload)
     else:
-      raise errors.InvalidArgumentError(f"no job of kind {job.KIND!r} is served here")
+      assert isinstance(job, m.ReadJob)
+      _read(asker, job)
 
 
 def _call(asker: Asker, job: m.CallJob, payload: bytearray | None) -> None:
@@ -342,3 +345,28 @@ def _offset(arena: shm.Arena, a: np.ndarray) -> int:
     raise errors.InvalidArgumentError("a batch's array lies outside the feed's arena")
   return offset
 
+
+
+def _read(asker: Asker, job: m.ReadJob) -> None:
+  """A checkpoint shard read from storage, as this process's user: into a block the
+  sidecar pinned for it (``to_arena``), else its bytes sent back."""
+  record = records.ShardRecord.from_dict(job.record)
+  if job.to_arena:
+    def allocate(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+      nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+      granted, block = asker.alloc(nbytes, "read")
+      place.append((granted.arena, granted.offset))
+      return codec.as_array(block, codec.ArenaRef(granted.offset, nbytes, granted.generation,
+                                                  np.dtype(dtype).name, tuple(shape)))
+    place: list[tuple[int, int]] = []
+  else:
+    allocate = lambda shape, dtype: np.empty(shape, dtype)  # noqa: E731  (its own memory)
+  data = checkpoint_read.read_stored(job.final_dir, record, allocate=allocate,
+                                    checked=job.checked)
+  if job.to_arena:
+    if not place:
+      raise errors.InvalidArgumentError("the format read the shard into no block")
+    m.send(asker.sock, m.Data(0, *place[-1]))
+    return
+  raw = np.asarray(data, order="C").reshape(-1).view(np.uint8)
+  m.send(asker.sock, m.Data(raw.nbytes), raw)

@@ -14,6 +14,7 @@ more); a job whose caller left is closed, which the process sees (``child_jobs.A
 from __future__ import annotations
 
 import contextlib
+import math
 import select
 from collections.abc import Callable, Generator
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from sidecar._src.arena import shm
+from sidecar._src.ckptfmt.records import ShardRecord
 from sidecar._src.core import errors
 from sidecar._src.server.arenas.arena_io import Alive, ArenaIO, BatchBlocks, TimeLeft
 from sidecar._src.server.feeds import processes as feed_processes, producer
@@ -69,6 +71,7 @@ class Job:
     self._given: dict[tuple[int, int], shm.Block] = {}  # (arena, offset): what it may lease
     self._leased: dict[tuple[int, int], shm.Block] = {}  # leased to the session, not yet out
     self._made: dict[int, np.ndarray] = {}  # a feed's batch arrays by offset, not yet sent
+    self._reads: dict[tuple[int, int], np.ndarray] = {}  # a read's pinned block, by place
     self._sock = proc.open_job()
     proc.jobs += 1
 
@@ -219,10 +222,12 @@ class Job:
       block = self._io.alloc(max(q.nbytes, 1), self._session, self._alive, self._time_left)
       self._leased[(block.offset, block.generation)] = block
       space = block.arena
-    else:  # "empty", "read": the tenant's arena, pinned while the job lives
+    else:  # "empty", "read": the tenant's arena, pinned while the job (or its view) lives
       block, holder = self._io.pinned(q.nbytes, self._alive, self._time_left)
       self._pins.append(holder)
       space = block.arena
+      if q.use == "read":
+        self._reads[(space, block.offset)] = holder
     self._hand(space)
     self._given[(space, block.offset)] = block
     return m.Granted(space, block.offset, block.generation)
@@ -264,6 +269,23 @@ class Job:
       for offset in leaf:
         self._made.pop(offset, None)
     return arrays
+
+  def read_block(self, message: m.Data, record: ShardRecord) -> np.ndarray:
+    """The shard a read job put in the block it was given (``Alloc`` for a read), as an
+    array of its record's form, pinned while it lives.
+
+    Raises:
+      InvalidArgumentError: no such block of the job's (the process is stopped).
+    """
+    holder = self._reads.get((message.arena, message.offset))
+    nbytes = math.prod(record.shape) * np.dtype(record.dtype).itemsize if record.dtype else 0
+    if holder is None or nbytes > holder.nbytes:
+      self._proc.kill()
+      raise errors.InvalidArgumentError(
+          f"{self.who} answered a read with a block it was not given (arena "
+          f"{message.arena}, offset {message.offset}); the process was stopped")
+    return codec.as_array(holder, codec.ArenaRef(message.offset, nbytes, 0, record.dtype,
+                                                 record.shape))
 
   def close(self) -> None:
     """Ends the job: its feed workers stopped, its socket closed, its pins let go, the
@@ -366,6 +388,29 @@ class Work:
         structure = codec.parse(pb.Value, payload or b"")
         leaves = job.batch_arrays(message.leaves)
         yield producer.Batch(structure, leaves), message.state, message.seconds
+
+  def read(self, final_dir: str, record: ShardRecord, *, session: str, checked: bool,
+           alive: Alive, time_left: TimeLeft) -> np.ndarray:
+    """A checkpoint shard read from storage in the tenant's process, as its user
+    (``read.read_stored``): into a block pinned here (worker ``session``, which the caller
+    then leases it to), else its bytes back (inline: the caller holds them as its inline
+    bytes)."""
+    with Job(self._process(), self._io, session=session, alive=alive,
+             time_left=time_left) as job:
+      job.send(m.ReadJob(final_dir, record.to_dict(), bool(session), checked))
+      message, payload = job.wait((m.Data,), payload_limit=self._limit)
+      assert isinstance(message, m.Data)
+      if session:
+        return job.read_block(message, record)
+      data = np.frombuffer(payload or b"", np.uint8)
+      if not record.dtype:  # a DCP bytes item: its bytes as they are
+        return data
+      try:
+        return data.view(np.dtype(record.dtype)).reshape(record.shape)
+      except (TypeError, ValueError):
+        raise errors.InvalidArgumentError(
+            f"{job.who} answered a read of {data.nbytes} bytes, not a shard of "
+            f"{record.dtype}{list(record.shape)}") from None
 
   def length(self, entry: registry_lib.Entry, request: pb.CallRequest, *,
              roots: data_roots.DataRoots, alive: Alive) -> int | None:

@@ -11,6 +11,7 @@ sidecar's table was everyone's (attack 10); his temporary files were the sidecar
 his process's death was the sidecar's.
 """
 
+import hashlib
 import os
 import pathlib
 import re
@@ -21,6 +22,7 @@ import signal
 import threading
 import time
 
+import grpc
 import jax
 import numpy as np
 import pytest
@@ -30,6 +32,8 @@ import sidecar
 from pipelines import arrayrecord as ar
 from sidecar._src.server.tenancy import quotas as quotas_lib
 from sidecar._src.server.tenant_procs import limits as limits_lib
+from sidecar._src.wire import protocol
+from sidecar._src.wire.protocol import ckpt_pb, pb
 from tests.conftest import eventually
 from tests.support.pool_files import ALICE, BOB, write_pool
 
@@ -48,8 +52,12 @@ tenants:
   - {{name: alice, token_file: alice.token, checkpoint_roots: [alice], uid: {ALICE_UID},
      open_files: 64}}
   - {{name: bob, token_file: bob.token, checkpoint_roots: [bob], uid: {BOB_UID},
-     open_files: {BOB_FILES}, memory: 1GiB, tmp_bytes: 4MiB}}
+     open_files: {BOB_FILES}, memory: 1GiB, tmp_bytes: 4MiB, inline_bytes: 40MiB}}
 """
+# bob's inline_bytes: one of his shards' answers at a time. Past glibc's largest mmap
+# threshold (32 MiB): an answer's bytes go back to the system as they are freed.
+SHARD = 40 << 20
+READS = 8
 SECRET = b"alice's secret bytes"
 ROWS = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("data",)), P("data"))
 
@@ -243,6 +251,86 @@ def test_a_killed_tenant_process_fails_its_tenant_s_requests_and_no_other_s(pool
                        str(failed[0])), failed
       assert next(feed)["x"] is not None  # alice's feed, in her process, runs on
     assert int(_who(bob)["pid"]) != his  # his next request starts a new process
+
+
+def _peak_growth(pid: int, run) -> int:
+  """How far ``run()`` raises process ``pid``'s peak RSS above its RSS before, in bytes."""
+  time.sleep(0.2)
+  with open(f"/proc/{pid}/clear_refs", "w") as f:
+    f.write("5")  # the peak starts afresh from the RSS now
+
+  def hwm() -> int:
+    with open(f"/proc/{pid}/status") as f:
+      return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) << 10
+
+  before = hwm()
+  run()
+  return hwm() - before
+
+
+def _raw_reads(address: str, token: str, final_dir: str, record, n: int) -> list[bytes]:
+  """``n`` concurrent inline Reads of one shard from storage, by hand (no worker): each
+  answer's sha256."""
+  with grpc.insecure_channel(address, options=[
+      ("grpc.max_receive_message_length", 64 << 20)]) as channel:
+    auth = [(protocol.AUTH_KEY, f"Bearer {token}")]
+    reply = channel.unary_unary(
+        f"/{protocol.SERVICE}/Handshake", request_serializer=pb.HandshakeRequest.SerializeToString,
+        response_deserializer=pb.HandshakeResponse.FromString)(
+            pb.HandshakeRequest(versions=protocol.local_versions(), client="bob"),
+            metadata=auth, timeout=30)
+    metadata = auth + [(protocol.SESSION_KEY, reply.session)]
+    stub = protocol.ckpt_pb_grpc.CheckpointStub(channel)
+    request = ckpt_pb.CheckpointReadRequest(final_dir=final_dir, record=record,
+                                            tier=ckpt_pb.TIER_DISK)
+    out: list[bytes] = [b""] * n
+
+    def read(i: int) -> None:
+      data = stub.Read(request, metadata=metadata, timeout=120).data.array.data
+      out[i] = hashlib.sha256(data).digest()
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(n)]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join(150)
+    return out
+
+
+def test_concurrent_inline_reads_cost_the_sidecar_about_its_tenant_s_inline_bytes(pool):
+  """Attack 6: eight concurrent inline Reads of bob's 64 MiB shard grew the sidecar by
+  1.3-1.45 GiB, about 18x his inline_bytes."""
+  cluster, base = pool
+  directory = str(base / "bob" / "ckpt")
+  state = {"w": np.arange(SHARD // 4, dtype=np.float32)}
+  with cluster.controller(token=BOB) as bob, bob.checkpointer(directory) as ck:
+    ck.save(1, state).durable.result(120)
+  final_dir = f"{directory}/1/default"
+  record = _record(cluster, final_dir)
+  got: list[bytes] = []
+  grown = _peak_growth(cluster.pid(0), lambda: got.extend(
+      _raw_reads(cluster.addresses[0], BOB, final_dir, record, READS)))
+  assert got == [hashlib.sha256(state["w"].tobytes()).digest()] * READS
+  # His reads from storage ran in his process; the sidecar held one answer at a time, its
+  # bytes and gRPC's copy of them: 2.0x (benchmarks: 8 Reads of 40 MiB, three rounds),
+  # where main's grew by 6.4-7.2x the shard (8 of 64 MiB; the issue's, 18x inline_bytes).
+  assert grown <= 2.5 * SHARD, f"the sidecar's peak RSS grew {grown / 2**20:.0f} MiB"
+
+
+def _record(cluster, final_dir: str):
+  """The shard's record, as the step's manifest lists it (Info)."""
+  with grpc.insecure_channel(cluster.addresses[0]) as channel:
+    auth = [(protocol.AUTH_KEY, f"Bearer {BOB}")]
+    reply = channel.unary_unary(
+        f"/{protocol.SERVICE}/Handshake", request_serializer=pb.HandshakeRequest.SerializeToString,
+        response_deserializer=pb.HandshakeResponse.FromString)(
+            pb.HandshakeRequest(versions=protocol.local_versions(), client="bob"),
+            metadata=auth, timeout=30)
+    info = protocol.ckpt_pb_grpc.CheckpointStub(channel).Info(
+        ckpt_pb.CheckpointInfoRequest(final_dir=final_dir),
+        metadata=auth + [(protocol.SESSION_KEY, reply.session)], timeout=30)
+  (record,) = info.shards
+  return record
 
 
 def test_kill_9_of_the_sidecar_leaves_no_tenant_process_nor_directory(pool):
