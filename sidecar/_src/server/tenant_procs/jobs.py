@@ -73,7 +73,6 @@ class Job:
     self._made: dict[int, np.ndarray] = {}  # a feed's batch arrays by offset, not yet sent
     self._reads: dict[tuple[int, int], np.ndarray] = {}  # a read's pinned block, by place
     self._sock = proc.open_job()
-    proc.jobs += 1
 
   # ---- talking to the process ---------------------------------------------------------------
 
@@ -299,7 +298,7 @@ class Job:
       with contextlib.suppress(errors.StaleDescriptorError):
         self._io.leases.release(block.offset, block.generation, self._session)
     self._leased.clear()
-    self._proc.jobs -= 1
+    self._proc.job_closed()
 
   def __enter__(self) -> Job:
     return self

@@ -94,8 +94,13 @@ class ProcessLimits:
                         "datasets at once), or ask the pool's operator to raise its tmp_bytes",
            "processes": "start fewer feed workers and threads, or ask the pool's operator "
                         "to raise its processes"}[key]
+    why = self.why(key)
+    if not why.startswith(f"{key}="):  # its share by weight: the key and value first
+      value = getattr(self, key)
+      shown = shm.format_size(value) if key in ("memory", "tmp_bytes") else value
+      why = f"{key}={shown}: {why}"
     return errors.ResourceExhaustedError(
-        f"tenant {self.tenant!r}'s process {what}: past its limit ({self.why(key)}); {fix}")
+        f"tenant {self.tenant!r}'s process {what}: past its limit ({why}); {fix}")
 
   def typed(self, exc: BaseException) -> BaseException:
     """``exc``, raised in this tenant's process (or one of its feed workers, a RemoteError),

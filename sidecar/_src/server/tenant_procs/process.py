@@ -92,7 +92,7 @@ class TenantProcess:
     self._stopped_for: errors.SidecarError | None = None
     self._last: collections.deque[str] = collections.deque(maxlen=LAST_LINES)
     self._relay: threading.Thread | None = None
-    self.jobs = 0  # jobs open now (``TenantProcesses`` retires an idle process)
+    self._jobs = 0  # jobs open now (``TenantProcesses`` retires an idle process)
 
   # ---- start ------------------------------------------------------------------------------
 
@@ -135,8 +135,9 @@ class TenantProcess:
 
   def _hello(self) -> None:
     assert self._control is not None
+    # Where the sidecar found its modules, its working directory too (its own is ``tmp``).
     hello = m.Hello(self.tenant, self.limits.to_dict(), self._imports, self.tmp,
-                    tuple(p for p in sys.path if p))
+                    tuple(p or os.getcwd() for p in sys.path))
     control = self._control
     try:
       m.send(control, hello)
@@ -195,7 +196,8 @@ class TenantProcess:
       self._arenas.add(space)
 
   def open_job(self) -> socket.socket:
-    """A new job's socket: its other end handed to the process.
+    """A new job's socket: its other end handed to the process. The job is counted open
+    until :meth:`job_closed`.
 
     Raises:
       SidecarError: the process is gone (the error its death says).
@@ -204,10 +206,21 @@ class TenantProcess:
     try:
       with theirs, self._lock:
         self._send(m.JobFd(), (theirs.fileno(),))
+        self._jobs += 1
     except BaseException:
       ours.close()
       raise
     return ours
+
+  def job_closed(self) -> None:
+    with self._lock:
+      self._jobs -= 1
+
+  @property
+  def jobs(self) -> int:
+    """Its jobs open now."""
+    with self._lock:
+      return self._jobs
 
   def _send(self, message: m.Message, fds: tuple[int, ...]) -> None:
     if self.state is not State.RUNNING or self._control is None:
