@@ -91,6 +91,10 @@ SAME = {
         "server/checkpoint/step.py:_written_records",  # a step's shards' records as written
         "server/checkpoint/step.py:records",  # Step.end_write's: the same
         "server/checkpoint/replication.py:record",  # a shard's, as a replica receives it
+        "server/tenant_procs/messages.py:record",  # ReadJob.record: the shard a read reads
+        "server/tenant_procs/jobs.py:record",  # Work.read's, in a tenant's process
+        "server/isolation.py:record",  # TenantWork.read's
+        "server/checkpoint/restores.py:record",  # Read's, and _nbytes
         "written_records"}),
     # a copy of a host's shards that another host's sidecar keeps, the hosts that keep
     # them, how many per shard, how they travel and whose RAM-tier group they count in

@@ -6,6 +6,7 @@ Lifecycle: NEW -> SERVING -> STOPPED. ``start()`` and ``stop()`` are idempotent.
 from __future__ import annotations
 
 import enum
+import functools
 import json
 import logging
 import os
@@ -23,6 +24,7 @@ from sidecar._src.core import errors, options as options_lib
 from sidecar._src.server import (
   client_ids,
   credentials,
+  isolation,
   metrics as metrics_lib,
   policies,
   preflight,
@@ -54,7 +56,8 @@ from sidecar._src.server.ports import (
   strangers as strangers_lib,
 )
 from sidecar._src.server.service import Service
-from sidecar._src.server.tenancy import quotas as quotas_lib, tenants as tenants_lib
+from sidecar._src.server.tenancy import tenants as tenants_lib
+from sidecar._src.server.tenant_procs import processes as tenant_procs_lib
 from sidecar._src.server.workers.workers import WorkerListener
 from sidecar._src.user import registry as registry_lib
 from sidecar._src.wire import ipc, protocol
@@ -176,8 +179,16 @@ class Server:
         replica_credentials=links_lib.replica_credentials(o.tls_cert, o.tls_key, o.tls_client_ca))
     self.arena_io = ArenaIO(self.leases, inline_limit=o.inline_limit,
                             is_attached=lambda session: self.workers.has_session(session))
+    # With a pool file, each tenant's calls, streams and feeds run in processes of its own,
+    # which the kernel bounds (ARCHITECTURE.md, "Tenant processes").
+    self.tenant_procs: tenant_procs_lib.TenantProcesses | None = None
+    if pool is not None and pool.quotas:
+      self.tenant_procs = tenant_procs_lib.TenantProcesses(
+          self.tenancy, self.arena_io,
+          imports=tenant_procs_lib.imports_of(o.imports, self.registry),
+          inline_limit=o.inline_limit, limit=o.max_message_size)
     self.runner = Runner(registry=self.registry, arena_io=self.arena_io, metrics=self.metrics,
-                         policy=call_policy)
+                         policy=call_policy, isolation=self.tenant_procs or isolation.IN_PROCESS)
     # Feeds' worker processes, idle once their stream ended, for the next of the same work.
     self.idle_workers = idle_lib.IdleWorkers(self.tenancy, grace=o.feed_idle_s)
     self.stream_runner = StreamRunner(self.runner, imports=o.imports, tenancy=self.tenancy,
@@ -201,7 +212,7 @@ class Server:
       return resolved
     self.ledgers = ledgers_lib.Ledgers(ledger_directory,
                                        check_storage=self.checkpoints.check_storage,
-                                       bound=self._ledger_bound)
+                                       bound=functools.partial(ledgers_lib.bound_of, self.tenancy))
     self.workers = WorkerListener(o.socket_path, self.arenas, self.leases, self._worker_hello,
                                   self.stream_runner, calls=calls,
                                   call_bytes=o.max_message_size,
@@ -271,7 +282,8 @@ class Server:
                                    sessions=sessions, metrics=self.metrics,
                                    per_client=named,
                                    slots=checkpoint_slots, inline=inline,
-                                   tenancy=self.tenancy)
+                                   tenancy=self.tenancy,
+                                   isolation=self.tenant_procs or isolation.IN_PROCESS)
     self._grpc.add_generic_rpc_handlers((self.service.handler(), checkpoint.handler()))
     reflection.enable_server_reflection(
         (protocol.SERVICE, protocol.CHECKPOINT_SERVICE, reflection.SERVICE_NAME), self._grpc)
@@ -374,6 +386,8 @@ class Server:
         self.workers.end(self.tenancy.workers_of(name), why)
         self.idle_workers.release(name)
         self.checkpoints.release_ram(name)
+        if self.tenant_procs is not None and name != tenants_lib.OPERATOR:
+          self.tenant_procs.revoke(name, why)
       self.arenas.refresh()
     done = (f"pool file {o.pool} reloaded: {len(pool.tenants)} tenants"
             + (f"; removed {', '.join(removed)}" if removed else "")
@@ -451,20 +465,6 @@ class Server:
     if not bound:
       raise OSError(f"cannot listen on {target} ({reason}); pick another {flag}")
     return bound
-
-  def _ledger_bound(self, tenant: str | None) -> ledgers_lib.Bound:
-    """What ``tenant``'s sessions may append to their goodput ledgers: its pool file's
-    ``ledger_bytes_per_s`` and ``ledger_burst_bytes``, each else the sidecar's default."""
-    t = self.tenancy.tenant(tenant)
-    rate = None if t is None else quotas_lib.LEDGER_BYTES_PER_S.of(t)
-    burst = None if t is None else quotas_lib.LEDGER_BURST_BYTES.of(t)
-    if t is None or (rate is None and burst is None):
-      return ledgers_lib.DEFAULT
-    given = ", ".join(f"{q.key}={q.of(t)}" for q in (
-        quotas_lib.LEDGER_BYTES_PER_S, quotas_lib.LEDGER_BURST_BYTES) if q.of(t) is not None)
-    return ledgers_lib.Bound(burst=ledgers_lib.BURST_BYTES if burst is None else burst,
-                             rate=ledgers_lib.RATE_BYTES_S if rate is None else rate,
-                             why=f"{given}, {self.tenancy.where(t.name)}")
 
   def _worker_hello(self, message: dict) -> dict:
     theirs = pb.Versions(**{k: v for k, v in (message.get("versions") or {}).items()
@@ -557,6 +557,8 @@ class Server:
       executor.shutdown(wait=False, cancel_futures=True)
       for thread in list(getattr(executor, "_threads", ())):
         thread.join(grace + 1)
+    if (tenant_procs := getattr(self, "tenant_procs", None)) is not None:
+      tenant_procs.close()  # their jobs end with them; their blocks come back here
     if getattr(self, "departures", None) is not None:
       self.departures.close()
     if getattr(self, "ledgers", None) is not None:

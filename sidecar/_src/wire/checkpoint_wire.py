@@ -494,6 +494,29 @@ def fill_data(target: ckpt_pb.ShardData, a: np.ndarray,
   target.array.data = a.tobytes()
 
 
+def read_response_bytes(a: np.ndarray) -> bytes:
+  """A serialized CheckpointReadResponse of the inline shard ``a``, its bytes copied once,
+  into the answer (``fill_data`` then serializing copied them twice: ``tobytes`` and the
+  message's own bytes)."""
+  a = codec.check_array(np.asarray(a, order="C"), "shard")
+  head = pb.Array(dtype=a.dtype.name, shape=a.shape).SerializeToString()
+  if a.nbytes:
+    head += _ARRAY_DATA_KEY + pbscan.encode_varint(a.nbytes)
+  array = _SHARD_ARRAY_KEY + pbscan.encode_varint(len(head) + a.nbytes) + head
+  data = _READ_DATA_KEY + pbscan.encode_varint(len(array) + a.nbytes) + array
+  return b"".join([data, a.reshape(-1).view(np.uint8).data]) if a.nbytes else data
+
+
+def _key(message: Any, field: str) -> bytes:
+  """A length-delimited field's key of ``message``'s descriptor."""
+  return pbscan.encode_varint(message.DESCRIPTOR.fields_by_name[field].number << 3 | 2)
+
+
+_ARRAY_DATA_KEY = _key(pb.Array, "data")
+_SHARD_ARRAY_KEY = _key(ckpt_pb.ShardData, "array")
+_READ_DATA_KEY = _key(ckpt_pb.CheckpointReadResponse, "data")
+
+
 def data_from_pb(data: ckpt_pb.ShardData, from_arena: codec.FromArena | None, where: str,
                  views: Sequence[memoryview] | None = None) -> np.ndarray:
   """The array ``data`` carries: a view of its arena block (``from_arena``), or a copy.

@@ -300,3 +300,16 @@ def test_every_registered_formats_parts_travel_under_its_one_name():
       if part is not None:
         oneof = getattr(ckpt_pb, request).DESCRIPTOR.oneofs_by_name["format_part"]
         assert fmt.name in {f.name for f in oneof.fields}
+
+
+@pytest.mark.parametrize("a", [np.arange(12, dtype=np.float32).reshape(3, 4),
+                               np.zeros((0, 5), np.int64), np.array(7, np.uint8),
+                               np.arange(300_000, dtype=np.int32)],
+                         ids=["matrix", "empty", "scalar", "large"])
+def test_a_read_s_inline_answer_is_the_message_protobuf_would_make(a):
+  raw = wire.read_response_bytes(a)
+  expected = ckpt_pb.CheckpointReadResponse()
+  wire.fill_data(expected.data, a)
+  assert raw == expected.SerializeToString()
+  got = ckpt_pb.CheckpointReadResponse.FromString(raw)
+  np.testing.assert_array_equal(wire.data_from_pb(got.data, None, "shard"), a)

@@ -179,6 +179,15 @@ class ArenaIO:
   def _empty_array(self, shape: tuple[int, ...], dtype: np.dtype, alive: Alive,
                    time_left: TimeLeft) -> np.ndarray:
     nbytes = math.prod(shape) * dtype.itemsize
+    block, holder = self.pinned(nbytes, alive, time_left)
+    return codec.as_array(holder, codec.ArenaRef(block.offset, nbytes, block.generation,
+                                                 dtype.name, shape))
+
+  def pinned(self, nbytes: int, alive: Alive, time_left: TimeLeft
+             ) -> tuple[shm.Block, np.ndarray]:
+    """A new block of the caller's tenant's arena (``tenants.CURRENT``), pinned while the
+    uint8 array returned (or a view of it) lives: ``sidecar.empty``'s, or one a tenant
+    process fills."""
     pin = self.leases.new_pin()
     block = self.alloc(max(nbytes, 1), pin, alive, time_left)
     put = self._released.put
@@ -188,8 +197,7 @@ class ArenaIO:
     except BaseException:
       self.leases.release(block.offset, block.generation, pin)
       raise
-    return codec.as_array(holder, codec.ArenaRef(block.offset, nbytes, block.generation,
-                                                 dtype.name, shape))
+    return block, holder
 
   def view(self, ref: codec.ArenaRef, session: str) -> np.ndarray:
     """A sidecar-side array on an arena block, pinned while any view of it lives.
@@ -323,6 +331,15 @@ class BatchBlocks:
         f"{prefetch or 1} come (prefetch={prefetch or 1}) needs about --shm-size {loop}: "
         f"{ahead} x {fmt(total)}; or make the batch smaller (fewer rows on this host, "
         "smaller leaves)")
+
+  @property
+  def space(self) -> int:
+    """The id of the arena its blocks are made in."""
+    return self._space.id
+
+  def block_of(self, out: np.ndarray) -> shm.Block:
+    """The block of a batch array :meth:`alloc` made and not yet sent."""
+    return self._placed[out.ctypes.data][0]
 
   def to_arena(self, a: np.ndarray) -> codec.ArenaRef | None:
     """The descriptor a batch array is sent as (``codec.encode``'s ``to_arena``); None

@@ -9,19 +9,16 @@ from :meth:`Runner.prepare` too. What touches the arena is ``arena_io``'s.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import functools
 import math
 import threading
 import time
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
 from sidecar._src.core import errors
-from sidecar._src.server import metrics as metrics_lib, policies
+from sidecar._src.server import isolation as isolation_lib, limits, metrics as metrics_lib, policies
 from sidecar._src.server.arenas.arena_io import Alive, ArenaIO, TimeLeft
 from sidecar._src.server.calls import argument_types
 from sidecar._src.server.limits import InlineBytes, Slots
@@ -40,13 +37,17 @@ class Runner:
     metrics: what calls are reported to.
     policy: what the client may run (a pool tenant's allowlists: ``pool/tenant_checks``);
       by default, everything registered.
+    isolation: where a tenant's calls, streams and feeds run: in its own processes with a
+      pool file (``tenant_procs/``); by default here.
   """
 
   def __init__(self, *, registry: registry_lib.Registry, arena_io: ArenaIO,
                metrics: metrics_lib.Recorder = metrics_lib.OFF,
-               policy: policies.CallPolicy = policies.OPEN_CALLS):
+               policy: policies.CallPolicy = policies.OPEN_CALLS,
+               isolation: isolation_lib.Isolation = isolation_lib.IN_PROCESS):
     self.registry = registry
     self.policy = policy
+    self.isolation = isolation
     self.metrics = metrics
     self.arena_io = arena_io
     self._lock = threading.Lock()
@@ -61,30 +62,24 @@ class Runner:
     self.policy.check(kind, request.name, request.worker_session)
     entry = self.registry.get(kind, request.name)
     view = lambda ref: self.arena_io.view(ref, request.worker_session)
-    # One budget for the request: what it costs to decode is what it sent.
-    budget = codec.Budget(views=views or [])
-    args = codec.decode(request.args, from_arena=view, where="args", budget=budget)
-    kwargs = codec.decode(request.kwargs, from_arena=view, where="kwargs", budget=budget)
-    if not isinstance(args, tuple) or not isinstance(kwargs, dict) or not all(
-        isinstance(k, str) for k in kwargs):
-      raise errors.InvalidArgumentError(
-          f"args must be a tuple and kwargs a dict with str keys, got {type(args).__name__} "
-          f"and {type(kwargs).__name__}")
-    if entry.signature is not None:
-      try:
-        entry.signature.bind(*((None,) if kind == registry_lib.PIPELINE else ()), *args,
-                             **kwargs)
-      except TypeError as e:
-        raise errors.InvalidArgumentError(
-            f"bad arguments for {entry.kind} {entry.name!r}{entry.signature}: {e}") from None
-    if kind == registry_lib.PIPELINE:
-      argument_types.check(entry.fn, kwargs, what=f"pipeline {entry.name!r}")
-    elif entry.signature is not None:
-      argument_types.check_call(entry.fn, entry.signature, args, kwargs,
-                                what=f"{entry.kind} {entry.name!r}")
+    args, kwargs = decode_arguments(entry, request, from_arena=view, views=views)
     with self._lock:
       self.calls += 1
     return entry, args, kwargs
+
+  def admit(self, request: pb.CallRequest, kind: str = registry_lib.FUNCTION
+            ) -> registry_lib.Entry:
+    """The registered entry of a call that runs elsewhere (its tenant's process, where its
+    arguments are decoded: ``decode_arguments``), once its client may run it.
+
+    Raises:
+      PermissionDeniedError: the policy refuses it. NotRegisteredError: no such name.
+    """
+    self.policy.check(kind, request.name, request.worker_session)
+    entry = self.registry.get(kind, request.name)
+    with self._lock:
+      self.calls += 1
+    return entry
 
   def label(self, kind: str, name: str) -> str:
     """``name`` if it is registered (the metrics' label), else ``<unregistered>``."""
@@ -126,6 +121,40 @@ class Runner:
     return value
 
 
+def decode_arguments(entry: registry_lib.Entry, request: pb.CallRequest, *,
+                     from_arena: Callable[[codec.ArenaRef], np.ndarray],
+                     views: list[memoryview] | None = None) -> tuple[tuple, dict]:
+  """A request's arguments for ``entry``, decoded (arena references through
+  ``from_arena``; ``views``: the large inline arrays' bytes, where ``pbscan.strip_arrays``
+  left them) and checked against its signature and annotations.
+
+  Raises:
+    InvalidArgumentError: naming the argument and what was wrong.
+  """
+  # One budget for the request: what it costs to decode is what it sent.
+  budget = codec.Budget(views=views or [])
+  args = codec.decode(request.args, from_arena=from_arena, where="args", budget=budget)
+  kwargs = codec.decode(request.kwargs, from_arena=from_arena, where="kwargs", budget=budget)
+  if not isinstance(args, tuple) or not isinstance(kwargs, dict) or not all(
+      isinstance(k, str) for k in kwargs):
+    raise errors.InvalidArgumentError(
+        f"args must be a tuple and kwargs a dict with str keys, got {type(args).__name__} "
+        f"and {type(kwargs).__name__}")
+  pipeline = entry.kind == registry_lib.PIPELINE
+  if entry.signature is not None:
+    try:
+      entry.signature.bind(*((None,) if pipeline else ()), *args, **kwargs)
+    except TypeError as e:
+      raise errors.InvalidArgumentError(
+          f"bad arguments for {entry.kind} {entry.name!r}{entry.signature}: {e}") from None
+  if pipeline:
+    argument_types.check(entry.fn, kwargs, what=f"pipeline {entry.name!r}")
+  elif entry.signature is not None:
+    argument_types.check_call(entry.fn, entry.signature, args, kwargs,
+                              what=f"{entry.kind} {entry.name!r}")
+  return args, kwargs
+
+
 class UnaryCalls:
   """A unary call's way in, whichever transport brought it (gRPC's Call, or a worker's
   ``calls`` connection on the Unix socket): a slot of its caller's, its values counted
@@ -152,7 +181,10 @@ class UnaryCalls:
       BusyError: ``caller`` or the sidecar runs as many calls as it may.
       InvalidArgumentError: ``raw`` is malformed. Whatever the call raises.
     """
-    return self._run(raw, caller, alive=alive, time_left=time_left, worker=worker)
+    response = self._run(raw, caller, alive=alive, time_left=time_left, worker=worker)
+    if isinstance(response, pb.CallResponse):
+      return response
+    return codec.parse(pb.CallResponse, response)  # its tenant process's, checked there
 
   def run_serialized(self, raw: bytes, caller: str, *, alive: Alive,
                      time_left: TimeLeft | None = None) -> bytes:
@@ -160,6 +192,8 @@ class UnaryCalls:
     large inline arrays are copied once, into these bytes, rather than four times."""
     inline: list[np.ndarray] = []
     response = self._run(raw, caller, alive=alive, time_left=time_left, inline=inline)
+    if not isinstance(response, pb.CallResponse):
+      return bytes(response)  # its tenant process spliced its arrays in
     return pbscan.splice_arrays(response.SerializeToString(), pb.CallResponse.DESCRIPTOR,
                                 inline)
 
@@ -201,14 +235,17 @@ class UnaryCalls:
         response = self._answer(buffer, time.monotonic(), alive=alive, time_left=time_left,
                                 inline=inline, held=True)
         del buffer  # its arrays' views keep what the result still needs
-        buffers, size = pbscan.splice_pieces(response.SerializeToString(),
-                                             pb.CallResponse.DESCRIPTOR, inline)
+        if isinstance(response, pb.CallResponse):
+          buffers, size = pbscan.splice_pieces(response.SerializeToString(),
+                                               pb.CallResponse.DESCRIPTOR, inline)
+        else:  # its tenant process's bytes, its arrays spliced in there
+          buffers, size = [memoryview(response)], len(response)
         del response, inline  # the buffers view the result's arrays: nothing else holds them
         yield from parts_lib.cut(buffers, size)
 
   def _run(self, raw: bytes | bytearray, caller: str, *, alive: Alive,
            time_left: TimeLeft | None, worker: str | None = None,
-           inline: list[np.ndarray] | None = None) -> pb.CallResponse:
+           inline: list[np.ndarray] | None = None) -> pb.CallResponse | bytearray:
     start = time.monotonic()
     # The slot first, as for streams: parsing a big request takes a while, on its thread.
     with self.slots.hold(caller):
@@ -218,10 +255,11 @@ class UnaryCalls:
   def _answer(self, raw: bytes | bytearray, start: float, *, alive: Alive,
               time_left: TimeLeft | None, worker: str | None = None,
               inline: list[np.ndarray] | None = None, held: bool = False
-              ) -> pb.CallResponse:
+              ) -> pb.CallResponse | bytearray:
     """The response to serialized CallRequest ``raw``, made in its caller's slot; a
     ``timeout_s`` in it counts from ``start``. ``held``: its bytes are held in the inline
-    budget already (CallParts)."""
+    budget already (CallParts). A pool tenant's call runs in its process, whose answer is
+    the response serialized (its large arrays spliced in where ``inline`` asks it)."""
     codec.check_message_count(raw, pb.CallRequest.DESCRIPTOR,
                               what=f"a CallRequest of {len(raw)} bytes")
     # Large inline arrays stay in ``raw``: protobuf would copy them twice more.
@@ -233,7 +271,11 @@ class UnaryCalls:
           f"{request.worker_session!r}; a connection's calls are its session's")
     if time_left is None:
       time_left = _time_left(start, request.timeout_s)
+    work = self.runner.isolation.work_of(tenants_lib.CURRENT.get())
     if not views or held:
+      if work is not None:
+        return self._elsewhere(work, raw, request, alive=alive, time_left=time_left,
+                               splice=inline is not None)
       return pb.CallResponse(result=self.runner.call(
           request, alive=alive, time_left=time_left, views=views, inline=inline))
     metrics, tenant = self.runner.metrics, tenants_lib.CURRENT.get()
@@ -241,9 +283,24 @@ class UnaryCalls:
     with contextlib.ExitStack() as admitted:
       with metrics.waiting(tenant, "inline"):  # decoding it costs its size again
         admitted.enter_context(self._inline.hold(len(raw), time_left()))
-      _trim_heap()
+      if work is not None:
+        del views  # its tenant process decodes it, into its own memory
+        return self._elsewhere(work, raw, request, alive=alive, time_left=time_left,
+                               splice=inline is not None)
+      limits.trim_heap()
       return pb.CallResponse(result=self.runner.call(
           request, alive=alive, time_left=time_left, views=views, inline=inline))
+
+  def _elsewhere(self, work: isolation_lib.TenantWork, raw: bytes | bytearray,
+                 request: pb.CallRequest, *, alive: Alive, time_left: TimeLeft,
+                 splice: bool) -> bytearray:
+    """The serialized response of a call its tenant's process runs (``work``), once the
+    policy and the registry here let it run."""
+    runner = self.runner
+    with (measured(runner.metrics, "call", runner.label(registry_lib.FUNCTION, request.name))
+          if runner.metrics.enabled else contextlib.nullcontext()):
+      return work.call(runner.admit(request), raw, session=request.worker_session,
+                       alive=alive, time_left=time_left, splice=splice)
 
 
 def serialize(response: pb.CallResponse | bytes) -> bytes:
@@ -255,23 +312,6 @@ def _set_aside(arrays: list[np.ndarray], a: np.ndarray) -> codec.ArenaRef:
   """``a`` put in ``arrays``; the placeholder ``pbscan.splice_arrays`` replaces by it."""
   arrays.append(a)
   return codec.ArenaRef(len(arrays) - 1, a.nbytes, 0, a.dtype.name, a.shape)
-
-
-@functools.cache
-def _malloc_trim() -> Any:
-  name = ctypes.util.find_library("c")
-  fn = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
-  return fn
-
-
-def _trim_heap() -> None:
-  """Gives the C heap's free pages back to the system (glibc's ``malloc_trim``; elsewhere
-  nothing). gRPC hands a large message over as one bytes object made from the transport's
-  slices; the ~1x of freed chunks stays in the process, counted in its RSS, under the copy
-  the decoder then makes: a 128 MiB call peaked at 3.6x its size, not 3x."""
-  trim = _malloc_trim()
-  if trim is not None:
-    trim(0)
 
 
 def _time_left(start: float, timeout_s: float) -> TimeLeft:

@@ -18,7 +18,7 @@ import time
 from collections.abc import Generator, Iterator
 
 from sidecar._src.core import errors
-from sidecar._src.server import client_log, metrics as metrics_lib
+from sidecar._src.server import client_log, isolation, metrics as metrics_lib
 from sidecar._src.server.arenas.arena_io import Alive, BatchBlocks, TimeLeft
 from sidecar._src.server.calls.calls import Runner, measured
 from sidecar._src.server.calls.credits import CreditSource
@@ -98,6 +98,10 @@ class StreamRunner:
         if tenant in revoked:
           raise errors.AuthenticationError(f"{revoked[tenant]}; its stream was ended")
         yield item
+    except errors.SidecarError:
+      if tenant in revoked:  # its process was stopped with it, say: the reason is the reload
+        raise errors.AuthenticationError(f"{revoked[tenant]}; its stream was ended") from None
+      raise
     finally:
       items.close()
 
@@ -119,6 +123,11 @@ class StreamRunner:
 
   def _stream(self, request: pb.CallRequest, credits: CreditSource, *, alive: Alive,
               time_left: TimeLeft, tenant: str | None) -> Items:
+    work = self._runner.isolation.work_of(tenant)
+    if work is not None:
+      yield from self._stream_elsewhere(work, request, credits, alive=alive,
+                                        time_left=time_left)
+      return
     entry, args, kwargs = self._runner.prepare(request)
     # Its arrays made in place (sidecar.empty) are its tenant's: in its arena.
     with self._io.allocating(alive, time_left), tenants_lib.acting_as(tenant):
@@ -146,20 +155,45 @@ class StreamRunner:
       if close is not None:
         close()
 
+  def _stream_elsewhere(self, work: isolation.TenantWork, request: pb.CallRequest,
+                        credits: CreditSource, *, alive: Alive, time_left: TimeLeft) -> Items:
+    """A stream whose iterable runs in its tenant's process: an item made there at each
+    credit here."""
+    values = work.stream(self._runner.admit(request), request, alive=alive,
+                         time_left=time_left)
+    try:
+      index = 0
+      while credits.take():
+        value = next(values, None)
+        if value is None:
+          return
+        yield pb.StreamItem(index=index, value=value)
+        index += 1
+    finally:
+      values.close()
+
   def _feed(self, request: pb.CallRequest, credits: CreditSource, *, alive: Alive,
             time_left: TimeLeft, tenant: str | None) -> Items:
-    """This host's batches of a feed, written straight into arena blocks."""
-    entry, args, kwargs = self._runner.prepare(request, registry_lib.PIPELINE)
-    if args:
-      raise errors.InvalidArgumentError(
-          f"pipeline {request.name!r} takes keyword arguments only, got {len(args)} positional")
+    """This host's batches of a feed, written straight into arena blocks (by its tenant's
+    process, in a pool: its pipeline runs there)."""
+    work = self._runner.isolation.work_of(tenant)
+    entry: registry_lib.Entry
+    if work is None:
+      entry, args, kwargs = self._runner.prepare(request, registry_lib.PIPELINE)
+      if args:
+        raise errors.InvalidArgumentError(
+            f"pipeline {request.name!r} takes keyword arguments only, got {len(args)} "
+            "positional")
+    else:  # its arguments are decoded (and its pipeline run) in its tenant's process
+      entry, kwargs = self._runner.admit(request, registry_lib.PIPELINE), {}
     spec = producer.Spec.from_proto(request.feed)
     roots = self._tenancy.data_roots(tenant)  # in a pool, its files only beneath these
     if spec.length_only:
       if credits.take():
-        state = {"length": producer.length(entry, kwargs, spec, roots, alive)}
+        length = (producer.length(entry, kwargs, spec, roots, alive) if work is None
+                  else work.length(entry, request, roots=roots, alive=alive))
         yield pb.StreamItem(batch=pb.FeedBatch(structure=codec.encode(None),
-                                               state_json=json.dumps(state)))
+                                               state_json=json.dumps({"length": length})))
       return
     session = request.worker_session
     if session and not self._io.is_attached(session):
@@ -184,21 +218,26 @@ class StreamRunner:
     check = functools.partial(blocks.check_batch, name=request.name,
                               prefetch=credits.prefetch)
     def produce(spec: producer.Spec):
+      if work is not None:  # made in its tenant's process, its workers started here for it
+        return work.feed(entry, request, blocks=blocks, check=check, turns=turns,
+                         roots=roots, alive=alive)
       return producer.produce(entry, kwargs, spec, blocks.alloc, make_workers, check, roots,
                               alive)
 
     # Batches kept since the trainer's last save first, where this feed's are kept; workers
-    # left idle by the last stream of the same work, where there are.
+    # left idle by the last stream of the same work, where there are. A pool tenant's
+    # pipeline runs in its own process, which alone decodes its arguments and knows its
+    # data identity: its feeds keep no batches and adopt no idle workers (yet).
     try:
-      if spec.workers:
+      if spec.workers and work is None:
         key = kept_lib.FeedKey.of(tenant=tenant, pipeline=entry.name,
                                   code_hash=entry.code_hash, kwargs=request.kwargs, spec=spec,
                                   data=data())
         lease = self._idle.lease(idle_lib.WorkKey.of(key, roots=roots, arena=blocks.arena_id),
                                  session=session)
       batches = replay_lib.feed_batches(
-          self._replay, request, spec, produce, entry=entry, kwargs=kwargs, blocks=blocks,
-          tenant=tenant, told=credits.take_saved, data=data)
+          self._replay if work is None else None, request, spec, produce, entry=entry,
+          kwargs=kwargs, blocks=blocks, tenant=tenant, told=credits.take_saved, data=data)
     except BaseException:
       if lease is not None:
         lease.close()

@@ -449,13 +449,15 @@ class Checkpoints:
     return checkpoint_read.info(final_dir, stored=not in_ram)
 
   def read(self, final_dir: str, record: ShardRecord, tier: str = "any",
-           byte_range: tuple[int, int] | None = None, *, checked: bool = True
-           ) -> np.ndarray:
+           byte_range: tuple[int, int] | None = None, *, checked: bool = True,
+           stored: checkpoint_read.Stored | None = None) -> np.ndarray:
     """The stored shard ``record`` (its manifest's) describes: from the RAM tier (no copy) or
     from storage into the arena, checked against it (``read.Reader.read``).
 
     ``byte_range=(offset, nbytes)``: only those bytes of a RAM-tier copy's C-order bytes, for a
-    client that reads a large shard over gRPC in messages of bounded size.
+    client that reads a large shard over gRPC in messages of bounded size. ``stored``: how a
+    read from storage is made (a pool tenant's process, ``read.Stored``); None: here.
     """
     self._path(final_dir, "final_dir")
-    return self.reader.read(final_dir, record, tier, byte_range, checked=checked)
+    return self.reader.read(final_dir, record, tier, byte_range, checked=checked,
+                            stored=stored)

@@ -24,6 +24,7 @@ import functools
 import logging
 import os
 import pathlib
+from collections.abc import Callable
 
 import numpy as np
 
@@ -156,8 +157,8 @@ class Reader:
     self._formats = formats
 
   def read(self, final_dir: str, record: ShardRecord, tier: str = "any",
-           byte_range: tuple[int, int] | None = None, *, checked: bool = True
-           ) -> np.ndarray:
+           byte_range: tuple[int, int] | None = None, *, checked: bool = True,
+           stored: Stored | None = None) -> np.ndarray:
     """The stored shard ``record`` describes (the step's manifest's record: its id says
     which, the copy served is checked against its crc32c, dtype and shape): from the RAM
     tier (no copy) or from storage into the arena.
@@ -166,6 +167,7 @@ class Reader:
     for a client that reads a large shard over gRPC in messages of bounded size (the
     whole copy checked). ``checked=False``: its crc32c is not checked here (the caller
     checks it, or another piece of the shard asked for it); its dtype and shape are.
+    ``stored``: how a read from storage is made (a pool tenant's process); None: here.
     """
     if byte_range is not None and tier not in ("ram", "replica"):
       raise errors.InvalidArgumentError(
@@ -211,16 +213,36 @@ class Reader:
       elif tier != "any":
         raise errors.InvalidArgumentError(
             f"host {self._tier.host_id} holds no {'RAM' if tier == 'ram' else tier} copy of it")
-    # The format its manifest names (a restore names none), and what it says the save
-    # wrote: the leaf's metadata is checked against it before the read (with no manifest,
-    # the format refuses a directory a sidecar wrote).
-    manifest = _manifest_file(final_dir)
-    fmt = (self._formats.of_committed(final_dir) if manifest is None
-           else self._formats.get(manifest.format))
-    data = _said(lambda: fmt.read(final_dir, record, allocate=outputs.empty,
-                                  manifest=manifest), final_dir)
-    records.check_form(final_dir, record, data, "stored copy")
-    if checked:
-      records.check_crc32c(final_dir, record, data, "stored copy")
+    if stored is None:
+      data = read_stored(final_dir, record, allocate=outputs.empty, checked=checked,
+                         formats=self._formats)
+    else:
+      data = stored(final_dir, record, checked)
     self._metrics.restored_bytes("storage", data.nbytes)
     return data
+
+
+# How a read from storage is made elsewhere (a pool tenant's process: ``tenant_procs/``):
+# the shard of ``(final_dir, record)``, checked where ``checked``.
+Stored = Callable[[str, ShardRecord, bool], np.ndarray]
+
+
+def read_stored(final_dir: str, record: ShardRecord, *, allocate: Callable[..., np.ndarray],
+                checked: bool, formats: formats_lib.Registry = formats_lib.DEFAULT
+                ) -> np.ndarray:
+  """The stored shard ``record`` describes, read from ``final_dir`` into ``allocate``
+  (``outputs.empty``'s signature), checked against its record (form; crc32c where
+  ``checked``): in the sidecar, or in a pool tenant's process, as its user.
+
+  The format its manifest names (a restore names none), and what it says the save wrote:
+  the leaf's metadata is checked against it before the read (with no manifest, the format
+  refuses a directory a sidecar wrote).
+  """
+  manifest = _manifest_file(final_dir)
+  fmt = formats.of_committed(final_dir) if manifest is None else formats.get(manifest.format)
+  data = _said(lambda: fmt.read(final_dir, record, allocate=allocate, manifest=manifest),
+               final_dir)
+  records.check_form(final_dir, record, data, "stored copy")
+  if checked:
+    records.check_crc32c(final_dir, record, data, "stored copy")
+  return data

@@ -29,9 +29,15 @@ import numpy as np
 from sidecar._src.ckptfmt.phases import Begin
 from sidecar._src.ckptfmt.records import Manifest
 from sidecar._src.core import errors
-from sidecar._src.server import client_log, metrics as metrics_lib
+from sidecar._src.server import client_log, isolation as isolation_lib, metrics as metrics_lib
 from sidecar._src.server.arenas.arena_io import ArenaIO
-from sidecar._src.server.checkpoint import copies, links as links_lib, ram_yield, roots as roots_lib
+from sidecar._src.server.checkpoint import (
+  copies,
+  links as links_lib,
+  ram_yield,
+  restores,
+  roots as roots_lib,
+)
 from sidecar._src.server.checkpoint.checkpoints import Checkpoints
 from sidecar._src.server.checkpoint.write import made_meanwhile, os_error_text
 from sidecar._src.server.limits import CheckpointSlots, InlineBytes, Sessions, Slots
@@ -41,7 +47,6 @@ from sidecar._src.wire.protocol import ckpt_pb
 
 log = logging.getLogger(__name__)
 LONG_S = 3600.0  # a prepared or replicate with no timeout_s waits at most this long
-_TIERS = {number: name for name, number in wire.TIERS.items()}
 Handler = Callable[[Any, grpc.ServicerContext], Any]
 
 
@@ -168,7 +173,8 @@ class CheckpointService:
   def __init__(self, *, checkpoints: Checkpoints, arena_io: ArenaIO, sessions: Sessions,
                metrics: metrics_lib.Recorder = metrics_lib.OFF,
                slots: Slots | None = None, per_client: bool = False,
-               inline: InlineBytes | None = None, tenancy: tenants_lib.Tenancy | None = None):
+               inline: InlineBytes | None = None, tenancy: tenants_lib.Tenancy | None = None,
+               isolation: isolation_lib.Isolation = isolation_lib.IN_PROCESS):
     self._checkpoints = checkpoints
     self._tenancy = tenancy  # whose each worker session is (a replica link's: its tenant's)
     # The bytes of large inline requests decoded at once: a Stage's shards, as a call's.
@@ -178,6 +184,9 @@ class CheckpointService:
     self._arena_io = arena_io  # views of a caller's blocks, results leased to it
     self._sessions = sessions
     self._metrics = metrics
+    self._restores = restores.Restores(checkpoints, arena_io, inline=self._inline,
+                                       metrics=metrics, isolation=isolation,
+                                       allocating=self._allocating)
 
   def handler(self) -> grpc.GenericRpcHandler:
     unary: dict[str, tuple[Any, Any, Handler]] = {
@@ -199,9 +208,11 @@ class CheckpointService:
                         self.drop_ram_tier),
         "Replicate": (ckpt_pb.CheckpointReplicateRequest, ckpt_pb.CheckpointReplicateResponse,
                       self.replicate),
-        "Held": (ckpt_pb.CheckpointHeldRequest, ckpt_pb.CheckpointHeldResponse, self.held),
-        "Info": (ckpt_pb.CheckpointInfoRequest, ckpt_pb.CheckpointInfoResponse, self.info),
-        "Read": (ckpt_pb.CheckpointReadRequest, ckpt_pb.CheckpointReadResponse, self.read),
+        "Held": (ckpt_pb.CheckpointHeldRequest, ckpt_pb.CheckpointHeldResponse,
+                 self._restores.held),
+        "Info": (ckpt_pb.CheckpointInfoRequest, ckpt_pb.CheckpointInfoResponse,
+                 self._restores.info),
+        "Read": (ckpt_pb.CheckpointReadRequest, restores.ReadResponse, self._restores.read),
         "Agree": (ckpt_pb.AgreeState, ckpt_pb.AgreeState, self.agree),
     }
     methods = {
@@ -536,42 +547,3 @@ class CheckpointService:
     state = wire.agree_from_pb(r, "AgreeState", sender=f"host {r.host}'s sidecar")
     self._checkpoints.resolve(state.final_dir, "final_dir")
     return wire.agree_to_pb(self._checkpoints.agreements.agree(state))
-
-  # ---- restore ------------------------------------------------------------
-
-  def held(self, r: ckpt_pb.CheckpointHeldRequest, _: grpc.ServicerContext
-           ) -> ckpt_pb.CheckpointHeldResponse:
-    return wire.held_to_pb(self._checkpoints.held(r.directory))
-
-  def info(self, r: ckpt_pb.CheckpointInfoRequest, _: grpc.ServicerContext
-           ) -> ckpt_pb.CheckpointInfoResponse:
-    try:
-      return wire.manifest_to_pb(self._checkpoints.info(r.final_dir, taken_over=r.taken_over))
-    except errors.SidecarError:
-      raise  # says what it found (a step of another format), with its own fix
-    except (TypeError, ValueError) as e:  # a manifest file that reads, with odd values
-      raise errors.InvalidArgumentError(
-          f"{r.final_dir}: its manifest is not one this sidecar wrote ({type(e).__name__}: "
-          f"{e}); restore it with Orbax, or an older step") from None
-
-  def read(self, r: ckpt_pb.CheckpointReadRequest, context: grpc.ServicerContext
-           ) -> ckpt_pb.CheckpointReadResponse:
-    record = wire.record_from_pb(r.record, "record")
-    byte_range = (r.part.offset, r.part.nbytes) if r.HasField("part") else None
-    tier = _TIERS.get(r.tier)
-    if tier is None:
-      raise errors.InvalidArgumentError(f"tier must be one of {sorted(_TIERS)}, got {r.tier}")
-    with self._allocating(context):
-      data = self._checkpoints.read(r.final_dir, record, tier, byte_range, checked=not r.unchecked)
-    out = ckpt_pb.CheckpointReadResponse()
-    if not r.worker_session:  # inline, the bytes copied once into the message
-      wire.fill_data(out.data, data)
-      return out
-    # Leased to the caller's worker: a RAM-tier block as it is, else copied into one.
-    value = self._arena_io.encode(data, r.worker_session, alive=context.is_active,
-                                  time_left=context.time_remaining, where="the shard read")
-    if value.HasField("arena"):
-      out.data.arena.CopyFrom(value.arena)
-    else:  # smaller than the inline limit
-      out.data.array.CopyFrom(value.array)
-    return out

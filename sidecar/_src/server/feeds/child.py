@@ -12,6 +12,7 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 
 from sidecar._src.arena import shm
 from sidecar._src.core import platform
@@ -21,10 +22,16 @@ from sidecar._src.wire import codec, ipc, protocol
 from sidecar._src.wire.protocol import pb
 
 
-def serve(sock: socket.socket, arena_fd: int) -> None:
+def serve(sock: socket.socket, arena_fd: int,
+          imported: Callable[[], None] | None = None) -> None:
+  """Fills batches until the socket ends. ``imported``: called once the pipeline's modules
+  are imported, before anything of the request's is read (a pool tenant's worker becomes
+  its tenant's user there: ``tenant_procs/feed_worker.py``)."""
   hello, _ = ipc.recv(sock)
   try:
     registry_lib.load_modules(hello["imports"])
+    if imported is not None:
+      imported()
     entry = registry_lib.default_registry().get(registry_lib.PIPELINE, hello["name"])
     spec = producer.Spec.from_proto(pb.FeedSpec.FromString(base64.b64decode(hello["spec"])))
     kwargs = codec.decode(pb.Value.FromString(base64.b64decode(hello["kwargs"])))

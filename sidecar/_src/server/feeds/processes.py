@@ -47,6 +47,21 @@ STOP_GRACE = 0.5
 ALIVE_EVERY = 0.1
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Launch:
+  """How a feed's worker processes are started: the command (its two descriptors'
+  numbers follow), its environment (None: the sidecar's, JAX on the CPU), its directory
+  and its process group. A pool tenant's (``tenant_procs/``) holds each to its tenant's
+  limits and user, in its tenant process's group."""
+  argv: tuple[str, ...] = (sys.executable, "-m", "sidecar._src.server.feeds.child")
+  env: dict[str, str] | None = None
+  cwd: str | None = None
+  process_group: int | None = None
+
+
+HERE = Launch()
+
+
 @dataclasses.dataclass(slots=True)
 class _Worker:
   proc: subprocess.Popen
@@ -68,13 +83,16 @@ class FeedProcesses:
 
   ``roots``: where the pipeline each worker opens may read files (its tenant's data roots
   in a pool), as the sidecar's own opening of it.
+
+  ``launch``: how each worker is started (a pool tenant's: its limits, its user).
   """
 
   def __init__(self, size: int, *, arena: shm.Arena, imports: tuple[str, ...], name: str,
                kwargs: pb.Value, spec: pb.FeedSpec, turns: shares_lib.Turns | None = None,
                alive: Callable[[], bool] | None = None,
-               roots: data_roots.DataRoots = data_roots.ANYWHERE):
+               roots: data_roots.DataRoots = data_roots.ANYWHERE, launch: Launch = HERE):
     self.size = size
+    self._launch = launch
     self._turns = turns
     self._alive = alive
     self._arena = arena
@@ -104,11 +122,13 @@ class FeedProcesses:
   def _start(self, i: int, tasks: dict[int, dict[str, Any]]) -> _Worker:
     """Starts worker ``i`` and sends it the pipeline; ``_ready`` waits for it."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    launch = self._launch
     with theirs:
       proc = subprocess.Popen(
-          [sys.executable, "-m", "sidecar._src.server.feeds.child", str(theirs.fileno()),
-           str(self._arena.fd)], pass_fds=(theirs.fileno(), self._arena.fd),
-          stdin=subprocess.DEVNULL, env=platform.sidecar_env(os.environ))
+          [*launch.argv, str(theirs.fileno()), str(self._arena.fd)],
+          pass_fds=(theirs.fileno(), self._arena.fd), stdin=subprocess.DEVNULL,
+          env=platform.sidecar_env(os.environ) if launch.env is None else launch.env,
+          cwd=launch.cwd, process_group=launch.process_group)
     worker = _Worker(proc, ours, tasks, ipc.FrameReader(ours))
     try:
       ipc.send(ours, self._hello)

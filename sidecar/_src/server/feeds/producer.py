@@ -24,7 +24,6 @@ import hashlib
 import itertools
 import json
 import math
-import os
 import sys
 import time
 from collections.abc import Callable, Generator, Iterator
@@ -33,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from sidecar._src.core import errors, trees
+from sidecar._src.server.tenancy import quotas as quotas_lib
 from sidecar._src.user import data_paths, data_roots, registry as registry_lib
 from sidecar._src.user.pipeline_context import PipelineContext
 from sidecar._src.wire import codec, feed_batch
@@ -50,7 +50,7 @@ Alive = Callable[[], bool]
 MapDataset = Any
 # Each feed worker is a Python interpreter with the user's modules (~250 MiB here):
 # one request may start at most as many as this host has CPUs (at least 2, at most 64).
-MAX_WORKERS = min(64, max(2, len(os.sched_getaffinity(0))))
+MAX_WORKERS = quotas_lib.CPUS
 # A feed state is a few numbers and names (epoch, position, kind, an iterator's own state):
 # far less than this.
 MAX_STATE_BYTES = 16 << 20

@@ -57,6 +57,7 @@ from collections.abc import Callable
 from typing import Any
 
 from sidecar._src.core import accounting, errors, goodput as goodput_lib
+from sidecar._src.server.tenancy import quotas as quotas_lib, tenants as tenants_lib
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,21 @@ class Bound:
 
 
 DEFAULT = Bound()
+
+
+def bound_of(tenancy: tenants_lib.Tenancy, tenant: str | None) -> Bound:
+  """What ``tenant``'s sessions may append to their goodput ledgers: its pool file's
+  ``ledger_bytes_per_s`` and ``ledger_burst_bytes``, each else the sidecar's default."""
+  t = tenancy.tenant(tenant)
+  rate = None if t is None else quotas_lib.LEDGER_BYTES_PER_S.of(t)
+  burst = None if t is None else quotas_lib.LEDGER_BURST_BYTES.of(t)
+  if t is None or (rate is None and burst is None):
+    return DEFAULT
+  given = ", ".join(f"{q.key}={q.of(t)}" for q in (
+      quotas_lib.LEDGER_BYTES_PER_S, quotas_lib.LEDGER_BURST_BYTES) if q.of(t) is not None)
+  return Bound(burst=BURST_BYTES if burst is None else burst,
+               rate=RATE_BYTES_S if rate is None else rate,
+               why=f"{given}, {tenancy.where(t.name)}")
 
 
 class _Bucket:

@@ -9,6 +9,7 @@ import dataclasses
 import hmac
 import logging
 import os
+import pwd
 import stat
 from typing import Any
 
@@ -24,7 +25,10 @@ POOL_FLAG = "--pool"
 # A tenant's keys: who it is and what it may reach, then its quotas (``quotas.ALL``).
 _TENANT_KEYS = frozenset({
     "name", "token_file", "checkpoint_roots", "data_roots", "functions", "pipelines", "weight",
-    "uids", "tls_names", *quotas_lib.BY_KEY})
+    "uids", "uid", "gid", "tls_names", *quotas_lib.BY_KEY})
+# The capabilities a sidecar needs to start a tenant's processes as its uid and gid
+# (capabilities(7): CAP_SETGID is bit 6, CAP_SETUID bit 7 of CapEff).
+_CAP_SETGID, _CAP_SETUID = 6, 7
 _POOL_KEYS = frozenset({"tenants", "operator_token_file"})
 # `sidecar serve`'s flag that names the operator token instead of the pool file's key.
 OPERATOR_FLAG = "--operator-token-file"
@@ -98,6 +102,10 @@ def load(path: str, *, operator_token_file: str | None = None) -> Pool:
         raise error_at(path, line, f"tenant {tenant.name!r} shares uids "
                      f"{sorted(other.uids & tenant.uids)} with tenant {other.name!r} (line "
                      f"{other.line}); a user's workers can belong to one tenant only")
+      if tenant.uid is not None and tenant.uid == other.uid:
+        raise error_at(path, line, f"tenant {tenant.name!r} has the uid {tenant.uid} of tenant "
+                       f"{other.name!r} (line {other.line}); each tenant's processes run as a "
+                       "user of its own, or the kernel would let one reach the other's")
     tenants.append(tenant)
   pool = Pool(tenants=tuple(tenants), path=path)
   fractions = sum(t.arena.fraction or 0.0 for t in pool.tenants)
@@ -256,6 +264,7 @@ def _tenant(path: str, node: yaml.Node, base: str) -> Tenant:
       raise error_at(path, at("uids"), f"{where}: uids must be a list of user ids (ints >= 0), "
                    f"got {v!r:.100}")
     uids = frozenset(v)
+  uid, gid = _user(path, m, where, at)
   weight = 1.0
   if "weight" in m:
     w = _scalar(path, m["weight"], "weight")
@@ -273,7 +282,57 @@ def _tenant(path: str, node: yaml.Node, base: str) -> Tenant:
       name=name, token=token, token_file=token_file, line=line, quotas=quotas,
       checkpoint_roots=roots, data_roots=roots if data_roots is None else data_roots,
       functions=names("functions"), pipelines=names("pipelines"),
-      weight=weight, uids=uids, tls_names=tls_names)
+      weight=weight, uids=uids, uid=uid, gid=gid, tls_names=tls_names)
+
+
+def can_switch_user() -> bool:
+  """Whether this process may start others as another user: root's, or with CAP_SETUID
+  and CAP_SETGID (a container's root may lack them)."""
+  try:
+    with open("/proc/self/status", encoding="ascii") as f:
+      caps = next((int(line.split()[1], 16) for line in f if line.startswith("CapEff:")), None)
+  except (OSError, ValueError):
+    caps = None
+  if caps is None:
+    return os.geteuid() == 0
+  return bool(caps >> _CAP_SETUID & 1 and caps >> _CAP_SETGID & 1)
+
+
+def _user(path: str, m: dict[str, yaml.Node], where: str, at) -> tuple[int | None, int | None]:
+  """A tenant's ``uid`` and ``gid`` (its processes' user and group): checked, the group
+  the user's primary one (the password database's) or its uid's number where not given."""
+  def an_id(key: str) -> int | None:
+    if key not in m:
+      return None
+    v = _scalar(path, m[key], key)
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 < v < 1 << 31:
+      what = "user" if key == "uid" else "group"
+      raise error_at(path, at(key), f"{where}: {key} must be a {what} id, an int from 1 (0 "
+                     f"is root's: its processes would be bounded by nothing), got {v!r}")
+    return v
+  uid, gid = an_id("uid"), an_id("gid")
+  if uid is None:
+    if gid is not None:
+      raise error_at(path, at("gid"), f"{where}: gid is the group of its uid's processes; "
+                     "give its uid too")
+    return None, None
+  if uid == os.geteuid():
+    raise error_at(path, at("uid"), f"{where}: uid {uid} is the sidecar's own user: its "
+                   "processes would reach the sidecar's memory (/proc/PID/mem); give the tenant "
+                   "a user of its own")
+  if not can_switch_user():
+    raise error_at(path, at("uid"), f"{where}: uid {uid}: this sidecar (uid {os.geteuid()}) "
+                   "cannot start processes as another user: run it as root, or give its "
+                   "container CAP_SETUID and CAP_SETGID (securityContext.capabilities.add), or "
+                   "leave uid out (the tenant's processes then run as the sidecar's user)")
+  if gid is None:
+    try:
+      gid = pwd.getpwuid(uid).pw_gid
+    except KeyError:
+      gid = uid
+  if gid == 0:
+    raise error_at(path, at("uid"), f"{where}: uid {uid}'s group is root's (0): give gid")
+  return uid, gid
 
 
 def _read_token(path: str, line: int, where: str, token_file: str) -> str:

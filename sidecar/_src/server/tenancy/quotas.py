@@ -17,6 +17,7 @@ import abc
 import collections
 import contextlib
 import dataclasses
+import os
 import resource
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -29,6 +30,12 @@ from sidecar._src.core import errors
 MIN_ARENA = 1 << 20
 # The least ``inline_bytes`` a tenant may have: a call's small arguments travel inline.
 MIN_INLINE = 64 << 10
+# The CPUs a sidecar's feed worker processes may use (at least 2, at most 64): the most one
+# feed may ask for, and a pool tenant's feed workers without its own ``feed_workers``.
+CPUS = min(64, max(2, len(os.sched_getaffinity(0))))
+# What the tenants' temporary directories share without their own ``tmp_bytes``: half of the
+# 256 MiB the Kubernetes manifests give a sidecar's /tmp (docs/kubernetes.md).
+TMP_TOTAL = 128 << 20
 # ram_keep's units: a number is seconds; a string may end in one of these.
 _DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
@@ -122,9 +129,11 @@ class Count(Quota):
     """The most ``tenant`` may hold at once and what sets it: its quota, else (a pool
     file's tenant, ``share_of``) its share by weight of ``total``; None: no bound."""
     where = pool.where(tenant) if pool is not None else "the sidecar's tokens"
-    mine = self.of(tenant)
+    mine = tenant.quotas.get(self.key)
     if mine is not None:
       return Limit(mine, f"{self.key}={mine}, {where}")
+    if self.default is not None and pool is not None and pool.quotas:
+      return Limit(self.default, f"{self.key}={self.default}, its default ({where})")
     if self.share_of is None or total is None or pool is None or not pool.quotas:
       return None
     weights = sum(t.weight for t in pool.tenants)
@@ -191,9 +200,14 @@ class Held:
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Size(Quota):
-  """Bytes a tenant may hold (a size such as ``500GiB``; not a fraction of the arena)."""
+  """Bytes a tenant may hold (a size such as ``500GiB``; not a fraction of the arena).
+
+  ``share_of``: bytes of which a pool file's tenant without it gets its share by weight
+  (:meth:`limit`); None: its ``default``, or no quota.
+  """
   least: int
   example: str
+  share_of: int | None = None
 
   def read(self, value: Any) -> int:
     share = ArenaShare(key=self.key).read(value)
@@ -201,6 +215,25 @@ class Size(Quota):
       raise ValueError(f"{self.key} must be a size of at least {shm.format_size(self.least)} "
                        f"(e.g. {self.example}), got {value!r}")
     return share.nbytes
+
+  def limit(self, tenant: Holder, pool: Pooled | None) -> Limit | None:
+    """The most bytes ``tenant`` may hold and what sets it: its quota, else its default,
+    else (a pool file's tenant, ``share_of``) its share by weight; None: no bound."""
+    where = pool.where(tenant) if pool is not None else "the sidecar's tokens"
+    fmt = shm.format_size
+    mine = tenant.quotas.get(self.key)
+    if mine is not None:
+      return Limit(mine, f"{self.key}={fmt(mine)}, {where}")
+    if pool is None or not pool.quotas:
+      return None
+    if self.default is not None:
+      return Limit(self.default, f"{self.key}={fmt(self.default)}, its default ({where})")
+    if self.share_of is None:
+      return None
+    weights = sum(t.weight for t in pool.tenants)
+    most = max(self.least, int(self.share_of * tenant.weight / weights))
+    return Limit(most, f"{self.key}={fmt(most)}, its share by weight of "
+                 f"{fmt(self.share_of)}, {where}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -298,7 +331,7 @@ STREAMS = Count(key="streams", share_of="")
 CHECKPOINT_RPCS = Count(key="checkpoint rpcs", share_of="")
 # Feeds at once; feed worker processes at once, all its feeds together.
 FEEDS = Count(key="feeds")
-FEED_WORKERS = Count(key="feed_workers", least=0)
+FEED_WORKERS = Count(key="feed_workers", least=0, default=CPUS)
 # Files its feeds' pipelines hold open at once in one process (readers' files, TFDS views'),
 # all its feeds together; a pool file's tenant without it: its share by weight of
 # ``open_files_total()``.
@@ -319,11 +352,20 @@ CHECKPOINT_BYTES = Size(key="checkpoint_bytes", least=MIN_ARENA, example="500GiB
 LEDGER_BYTES_PER_S = Size(key="ledger_bytes_per_s", least=1 << 10, example="16KiB")
 LEDGER_BURST_BYTES = Size(key="ledger_burst_bytes", least=4 << 10, example="256KiB")
 
+# What its processes may take (server/tenant_procs/limits.py, applied by the kernel): each
+# process's memory (RLIMIT_DATA: heap and private mappings; the shared arena is not counted);
+# its temporary directory, files and directories together (each file RLIMIT_FSIZE too; the
+# total measured by the sidecar), without it its share by weight of TMP_TOTAL; the processes
+# and threads its user runs at once (RLIMIT_NPROC, where it has a uid of its own).
+MEMORY = Size(key="memory", least=128 << 20, example="4GiB", default=4 << 30)
+TMP_BYTES = Size(key="tmp_bytes", least=1 << 20, example="256MiB", share_of=TMP_TOTAL)
+PROCESSES = Count(key="processes", least=16, default=512)
+
 # Every quota a pool file's tenant may have, in the order the file's keys are read.
 ALL: tuple[Quota, ...] = (ARENA, ARENA_CEILING, SESSIONS, CALLS, STREAMS, FEEDS, FEED_WORKERS,
                           OPEN_FILES,
                           CONNECTIONS, INLINE_BYTES, RAM_KEEP, RAM_TIER, CHECKPOINT_BYTES,
-                          LEDGER_BYTES_PER_S, LEDGER_BURST_BYTES)
+                          LEDGER_BYTES_PER_S, LEDGER_BURST_BYTES, MEMORY, TMP_BYTES, PROCESSES)
 BY_KEY: Mapping[str, Quota] = {q.key: q for q in ALL}
 # The parts of the arena, checked against its size once it is known (``Pool.check_arena``).
 ARENA_SHARES: tuple[ArenaShare, ...] = tuple(q for q in ALL if isinstance(q, ArenaShare))

@@ -62,6 +62,11 @@ class Tenant:
   # Workers whose process runs as one of these users belong to it without a token (the
   # kernel says who connected to the worker socket: SO_PEERCRED).
   uids: frozenset[int] = frozenset()
+  # The user (and group) its processes run as (server/tenant_procs/): the kernel's
+  # permission checks then decide what its pipelines and functions may read and write;
+  # None: the sidecar's own user.
+  uid: int | None = None
+  gid: int | None = None
   # With mTLS (--tls-client-ca): client certificates whose common name (or a DNS name of
   # theirs) is one of these are this tenant's, with no token.
   tls_names: frozenset[str] = frozenset()

@@ -17,6 +17,7 @@ import pathlib
 import pwd
 import secrets
 import shutil
+import time
 
 import jax
 import numpy as np
@@ -25,6 +26,7 @@ import tensorflow_datasets as tfds_lib
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import sidecar
+from tests.conftest import eventually
 from tests.support.pool_files import ALICE, BOB, write_pool
 
 pytestmark = pytest.mark.processes
@@ -35,10 +37,15 @@ except KeyError:
   NOBODY = 65534
 BOB_FILES = 30  # bob's open_files: one view of his padded dataset (23 files) fits, two do not
 PADDING = 20
+# Round 8 (issue 76), attack 8: his views of a dataset directory of many (empty)
+# directories, in his own temporary directory, which holds BOB_TMP: two views do not fit.
+BOB_TMP = 1 << 20
+DIRS = 150
 POOL = f"""\
 tenants:
   - {{name: alice, token_file: alice.token, checkpoint_roots: [alice]}}
-  - {{name: bob, token_file: bob.token, checkpoint_roots: [bob], open_files: {BOB_FILES}}}
+  - {{name: bob, token_file: bob.token, checkpoint_roots: [bob], open_files: {BOB_FILES},
+     tmp_bytes: 1MiB}}
 """
 NAME = "sidecar_attack_tiny"
 ALICE_BASE = 1000.0  # alice's examples are 1000.., bob's 0..
@@ -100,6 +107,9 @@ def pool():
     padded = _prepare(bob / "padded", 0.0)
     for i in range(PADDING):  # a dataset directory of many files, each held by its view
       (padded / f"pad-{i}.txt").write_bytes(b"x")
+    dirs = _prepare(bob / "dirs", 0.0)
+    for i in range(DIRS):  # a dataset directory of many directories, each made by its view
+      (dirs / f"pad-{i}").mkdir()
     theirs = f"{hers}/{{DATASET}}-{{SPLIT}}.{{FILEFORMAT}}-{{SHARD_X_OF_Y}}"
     _hostile(_prepare(bob / "abs", 0.0), theirs)
     _hostile(_prepare(bob / "dotdot", 0.0), "../" * 16 + theirs.lstrip("/"))
@@ -109,9 +119,11 @@ def pool():
       os.symlink(".", bob / "loop" / f"l{i}")
     for p in [bob, *bob.rglob("*")]:
       os.chown(p, NOBODY, NOBODY, follow_symlinks=False)
+    (base / "sidecar-tmp").mkdir()  # the sidecar's own temporary directory
     with sidecar.testing.LocalCluster(
         1, 1, shm_size="32MiB", pool=path, checkpoint_roots=[str(base)],
-        imports=["pipelines.tfds", "pipelines.parquet"]) as cluster:
+        imports=["pipelines.tfds", "pipelines.parquet"],
+        host_env={0: {"TMPDIR": str(base / "sidecar-tmp")}}) as cluster:
       yield cluster, base
   finally:
     shutil.rmtree(base, ignore_errors=True)
@@ -192,3 +204,33 @@ def test_bobs_open_files_are_his_share_and_alice_is_served(pool):
     # His first feed closed: its files given back at once (not when the collector finds a
     # cycle that holds its dataset), the same feed is served again.
     assert _xs(bob, base / "bob" / "padded") <= set(range(6))
+
+
+@pytest.mark.timeout(300)
+def test_tfds_views_land_in_bob_s_own_bounded_temporary_directory(pool):
+  """Round 8 (issue 76), attack 8: eight feeds' TFDS views wrote 314 MiB of directories in
+  the sidecar's /tmp, past the manifests' 256 MiB limit; only their files were counted."""
+  cluster, base = pool
+  mine = base / "sidecar-tmp"
+  with cluster.controller(token=BOB) as bob:
+    with _feed(bob, base / "bob" / "dirs") as first:
+      next(first)
+      # His view is his process's: in his own temporary directory, none in the sidecar's.
+      assert not [n for n in os.listdir(mine) if n.startswith("sidecar-view-")]
+      views = list(mine.glob("sidecar-tenants-*/bob-*/sidecar-view-*"))
+      assert len(views) == 1 and len(list(views[0].rglob("pad-*"))) == DIRS
+      with pytest.raises(sidecar.ResourceExhaustedError) as e:
+        with _feed(bob, base / "bob" / "dirs") as second:  # views of ~600 KiB: past it
+          next(second)
+          time.sleep(1.5)  # the sidecar looks every half second
+          for _ in range(20):  # (batches made before it looked come first)
+            next(first)
+            next(second)
+      assert "tenant 'bob''s process held more than its temporary directory may" in str(e.value)
+      assert f"(tmp_bytes={BOB_TMP >> 20}.0 MiB, {base}/pool.yaml:" in str(e.value)
+    # Past it, his process was stopped and its directory emptied (a feed of his that
+    # started again since gives its view back as it ends); his next feed is served.
+    assert eventually(lambda: not list(mine.glob("sidecar-tenants-*/bob-*/sidecar-view-*")))
+    assert _xs(bob, base / "bob" / "own") <= set(range(6))
+  with cluster.controller(token=ALICE) as alice:  # hers, in her own process, meanwhile
+    assert _xs(alice, base / "alice" / "tfds")

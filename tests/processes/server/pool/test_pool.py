@@ -137,7 +137,9 @@ def test_a_pool_of_three_with_one_misbehaving(tmp_path, monkeypatch):
     assert eventually(lambda: _arena_bytes(cluster, "carol") == 0, timeout=20), \
         "carol's dropped RAM-tier copy still holds the arena"
 
-    # 1. Carol floods handshakes: refused as hers, and a new client joins at once.
+    # 1. Carol floods handshakes: refused as hers, and a new client joins at once. (Bob's
+    # process started first: a tenant's first call pays its process's start, seconds here.)
+    assert bob.call("add", args=(0,), kwargs={"b": 0}) == [0]
     channel = grpc.insecure_channel(cluster.addresses[0])
     handshake = channel.unary_unary(f"/{protocol.SERVICE}/Handshake",
                                     request_serializer=pb.HandshakeRequest.SerializeToString)

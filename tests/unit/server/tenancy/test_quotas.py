@@ -11,7 +11,7 @@ import pytest
 
 from sidecar._src.core import errors
 from sidecar._src.server.pool import pool_file
-from sidecar._src.server.tenancy import quotas as quotas_lib
+from sidecar._src.server.tenancy import quotas as quotas_lib, tenants as tenants_lib
 
 pytestmark = pytest.mark.unit
 
@@ -120,3 +120,28 @@ def test_open_files_reach_a_tenants_data_roots_its_quota_or_its_share(tmp_path):
   assert bob.open_files == max(1, half * 3 // 4)
   assert bob.open_files_why == (f"its share by weight of open files (half the sidecar's "
                                 f"RLIMIT_NOFILE)={half}, {pool.path}:3")
+
+
+def test_feed_workers_memory_and_processes_have_defaults_in_a_pool_file_only(tmp_path):
+  alice, bob = _load(tmp_path, ", feed_workers: 3").tenants
+  pool = _load(tmp_path)
+  assert quotas_lib.FEED_WORKERS.limit(alice, pool).most == 3
+  default = quotas_lib.FEED_WORKERS.limit(bob, pool)
+  assert default.most == quotas_lib.CPUS and "feed_workers=" in default.why
+  assert "its default" in default.why and "pool.yaml:3" in default.why
+  assert quotas_lib.MEMORY.limit(bob, pool).most == 4 << 30
+  assert quotas_lib.PROCESSES.limit(bob, pool).most == 512
+  shared = tenants_lib.Pool.clients((("alice", "a-token"),))  # no pool file: no default
+  assert quotas_lib.FEED_WORKERS.limit(shared.tenants[0], shared) is None
+  assert quotas_lib.MEMORY.limit(shared.tenants[0], shared) is None
+
+
+def test_tmp_bytes_left_out_is_a_share_by_weight_of_the_total(tmp_path):
+  alice, bob = _load(tmp_path, ", weight: 3").tenants
+  pool = _load(tmp_path, ", weight: 3")
+  mine = quotas_lib.TMP_BYTES.limit(alice, pool)
+  assert mine.most == quotas_lib.TMP_TOTAL * 3 // 4
+  assert "its share by weight of 128.0 MiB" in mine.why and "pool.yaml:2" in mine.why
+  assert quotas_lib.TMP_BYTES.limit(bob, pool).most == quotas_lib.TMP_TOTAL // 4
+  alice, _ = _load(tmp_path, ", tmp_bytes: 2MiB").tenants
+  assert quotas_lib.TMP_BYTES.limit(alice, _load(tmp_path, ", tmp_bytes: 2MiB")).most == 2 << 20

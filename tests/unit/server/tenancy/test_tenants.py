@@ -74,6 +74,11 @@ tenants:
     weight: 2
     ram_tier: 0.25
     checkpoint_bytes: 500GiB
+    memory: 2GiB
+    tmp_bytes: 64MiB
+    processes: 128
+    uid: 10001
+    gid: 10005
 """, "alice"))
   (t,) = pool.tenants
   assert t.arena.nbytes == 2 << 30 and t.arena_ceiling == quotas_lib.Share(fraction=0.5)
@@ -84,6 +89,8 @@ tenants:
   assert t.allows("function", "add") and not t.allows("function", "sub")
   assert t.allows("pipeline", "numbers") and not t.allows("pipeline", "add")
   assert t.ram_tier == quotas_lib.Share(fraction=0.25) and t.checkpoint_bytes == 500 << 30
+  assert (t.memory, t.tmp_bytes, t.processes) == (2 << 30, 64 * MiB, 128)
+  assert (t.uid, t.gid) == (10001, 10005)
 
 
 BAD = [
@@ -131,6 +138,21 @@ BAD = [
      r"pool.yaml:2: tenant 'alice': checkpoint_bytes must be a size of at least 1.0 MiB"),
     ("tenants:\n  - {name: alice, token_file: alice.token, ram_tier: -1}\n",
      r"pool.yaml:2: tenant 'alice': ram_tier is a fraction of the arena in \(0, 1\] or a size"),
+    ("tenants:\n  - {name: alice, token_file: alice.token,\n     uid: 0}\n",
+     r"pool.yaml:3: tenant 'alice': uid must be a user id, an int from 1 \(0 is root's: its "
+     r"processes would be bounded by nothing\), got 0"),
+    ("tenants:\n  - {name: alice, token_file: alice.token, uid: bob}\n",
+     r"pool.yaml:2: tenant 'alice': uid must be a user id, .*got 'bob'"),
+    ("tenants:\n  - {name: alice, token_file: alice.token, gid: 7}\n",
+     r"pool.yaml:2: tenant 'alice': gid is the group of its uid's processes; give its uid too"),
+    ("tenants:\n  - {name: alice, token_file: alice.token, uid: 10001}\n  - {name: bob, "
+     "token_file: bob.token, uid: 10001}\n",
+     r"pool.yaml:3: tenant 'bob' has the uid 10001 of tenant 'alice' \(line 2\); each "
+     r"tenant's processes run as a user of its own"),
+    ("tenants:\n  - {name: alice, token_file: alice.token, memory: 1MiB}\n",
+     r"pool.yaml:2: tenant 'alice': memory must be a size of at least 128.0 MiB"),
+    ("tenants:\n  - {name: alice, token_file: alice.token, processes: 4}\n",
+     r"pool.yaml:2: tenant 'alice': processes must be an int >= 16, got 4"),
 ]
 
 
@@ -139,10 +161,34 @@ BAD = [
     "sessions-below-1", "ceiling-below-a-batch", "inline-below-least", "bad-size",
     "no-token-file", "missing-token-file", "bad-name", "unknown-top-key", "no-tenants",
     "not-yaml", "bad-weight", "shared-tls-names", "shared-uids", "storage-a-fraction",
-    "storage-below-least", "ram-tier-negative"])
+    "storage-below-least", "ram-tier-negative", "uid-root", "uid-not-an-int", "gid-alone",
+    "shared-uid", "memory-below-least", "processes-below-least"])
 def test_a_bad_file_is_refused_naming_its_line(tmp_path, text, match):
   with pytest.raises(errors.InvalidArgumentError, match=match):
     pool_file.load(_pool(tmp_path, text))
+
+
+def test_a_uid_needs_a_sidecar_that_can_switch_user(tmp_path, monkeypatch):
+  # Root here: it can (its CapEff holds CAP_SETUID and CAP_SETGID).
+  assert pool_file.can_switch_user() == (os.geteuid() == 0)
+  text = "tenants:\n  - {name: alice, token_file: alice.token, uid: 10001}\n"
+  monkeypatch.setattr(pool_file, "can_switch_user", lambda: False)
+  with pytest.raises(errors.InvalidArgumentError,
+                     match=r"pool.yaml:2: tenant 'alice': uid 10001: this sidecar \(uid \d+\) "
+                     r"cannot start processes as another user: run it as root, or give its "
+                     r"container CAP_SETUID and CAP_SETGID"):
+    pool_file.load(_pool(tmp_path, text))
+
+
+def test_a_uid_s_group_is_its_primary_one_else_its_number(tmp_path):
+  import pwd
+  nobody = pwd.getpwnam("nobody")
+  pool = pool_file.load(_pool(tmp_path, "tenants:\n  - {name: alice, token_file: alice.token, "
+                              f"uid: {nobody.pw_uid}}}\n  - {{name: bob, token_file: "
+                              "bob.token, uid: 54321}\n"))
+  alice, bob = pool.tenants
+  assert (alice.uid, alice.gid) == (nobody.pw_uid, nobody.pw_gid)
+  assert (bob.uid, bob.gid) == (54321, 54321)  # no such user: its number
 
 
 def test_shares_are_checked_against_the_arena(tmp_path):
@@ -357,8 +403,16 @@ def test_feeds_and_feed_workers_per_tenant(tmp_path):
                          r"\(feeds=2"):
         with tenancy.feeding("alice", 0):
           pass
-      with tenancy.feeding("bob", 16):
-        assert tenancy.feed_counts() == {"alice": (2, 3), "bob": (1, 16)}
+      # bob names no feed_workers: the default, this host's CPUs (issue 76, attack 7: his
+      # share of the connections let him start ~254 worker processes of ~240 MiB each).
+      cpus = quotas_lib.CPUS
+      with tenancy.feeding("bob", cpus):
+        assert tenancy.feed_counts() == {"alice": (2, 3), "bob": (1, cpus)}
+        with pytest.raises(errors.ResourceExhaustedError,
+                           match=rf"tenant 'bob' holds {cpus} feed worker processes; 1 more "
+                           rf"would pass its quota \(feed_workers={cpus}, its default "):
+          with tenancy.feeding("bob", 1):
+            pass
   assert tenancy.feed_counts() == {"alice": (0, 0), "bob": (0, 0)}
 
 
