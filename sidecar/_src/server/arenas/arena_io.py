@@ -339,7 +339,7 @@ class BatchBlocks:
 
   def block_of(self, out: np.ndarray) -> shm.Block:
     """The block of a batch array :meth:`alloc` made and not yet sent."""
-    return self._placed[out.ctypes.data][0]
+    return self._placed[id(out)][0]
 
   def to_arena(self, a: np.ndarray) -> codec.ArenaRef | None:
     """The descriptor a batch array is sent as (``codec.encode``'s ``to_arena``); None

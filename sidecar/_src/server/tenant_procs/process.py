@@ -181,11 +181,15 @@ class TenantProcess:
 
   def launch(self) -> feed_processes.Launch:
     """How its feed worker processes start: as it started (its limits and user applied
-    first, ``feed_worker.py``), with its environment and directory, in its process group."""
+    first, ``feed_worker.py``), with its environment and directory, in its process group.
+    Its directory is the tenant's temporary one, so where the sidecar found its modules
+    (its own working directory too) is its ``PYTHONPATH``, as the hello tells the process."""
+    env = environment(dict(os.environ), self.tmp)
+    env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
     return feed_processes.Launch(
         argv=(sys.executable, "-m", "sidecar._src.server.tenant_procs.feed_worker",
               json.dumps(self.limits.to_dict())),
-        env=environment(dict(os.environ), self.tmp), cwd=self.tmp, process_group=self.pid)
+        env=env, cwd=self.tmp, process_group=self.pid)
 
   def hand_arena(self, space: int, arena: shm.Arena) -> None:
     """Hands the process the tenant's arena ``space`` (its memfd), once."""
