@@ -28,11 +28,13 @@ import numpy as np
 
 BATCH, WIDTH = 64, 256
 CHILD = "sidecar._src.server.feeds.child"  # how a feed worker process's command line reads
+TENANT_CHILD = "sidecar._src.server.tenant_procs.feed_worker"  # a pool tenant's
 LEFT_S = 10.0  # how long a start waits for the last trainer's feed to be gone from its sidecar
 
 
-def feed_workers(sidecar_pid: int) -> list[int]:
-  """The feed worker processes of sidecar ``sidecar_pid`` that run (zombies excluded)."""
+def feed_workers(sidecar_pid: int, child: str = CHILD) -> list[int]:
+  """The feed worker processes of sidecar ``sidecar_pid`` that run (zombies excluded);
+  ``child``: the module their command line runs (a pool tenant's: ``TENANT_CHILD``)."""
   pids = []
   for name in os.listdir("/proc"):
     if not name.isdigit():
@@ -44,7 +46,7 @@ def feed_workers(sidecar_pid: int) -> list[int]:
         command = f.read().decode(errors="replace")
     except OSError:
       continue  # gone meanwhile
-    if int(fields[1]) == sidecar_pid and fields[0] != "Z" and CHILD in command:
+    if int(fields[1]) == sidecar_pid and fields[0] != "Z" and child in command:
       pids.append(int(name))
   return sorted(pids)
 

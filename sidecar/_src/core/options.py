@@ -319,6 +319,7 @@ class FeedOptions:
     replay: batches each sidecar keeps of those made since the trainer's last save, to
       serve again (not decode anew) when a rollback or a restart re-does their steps;
       within a quarter of its arena, given way first where the arena is full. 0: none.
+      A pool tenant's feed (``sidecar serve --pool``) keeps none yet.
   """
   prefetch: int = 2
   workers: int = 0

@@ -2,9 +2,9 @@
 work (``server/feeds/idle.py``). After a rollback (``Feed.seek``) and after a trainer restarted
 beside the same sidecar, the batches after the kept ones are made by the same processes (no
 new one starts), bit for bit those of an uninterrupted feed; a feed of another seed or other
-arguments starts its own; idle workers go at the grace's end, with the sidecar's stop, at a
-reload that removes their tenant, and with a sidecar killed by SIGKILL. The sidecar is in
-this process (but the last test's), its feed workers real processes.
+arguments starts its own; idle workers go at the grace's end, with the sidecar's stop and
+with a sidecar killed by SIGKILL; a pool tenant's feed (in its own process) keeps none yet.
+The sidecar is in this process (but the last test's), its feed workers real processes.
 
 Before (main): every stream started its workers anew (the pids differed after a rollback).
 """
@@ -25,7 +25,7 @@ from sidecar._src.wire import codec
 from sidecar._src.wire.protocol import pb
 from tests.conftest import alive, eventually
 from tests.support import feed_fns
-from tests.support.feed_restarts import feed_workers
+from tests.support.feed_restarts import TENANT_CHILD, feed_workers
 from tests.support.pool_files import ALICE, write_pool
 
 pytestmark = pytest.mark.processes
@@ -134,24 +134,24 @@ def test_idle_workers_go_at_the_graces_end_and_at_the_sidecars_stop(serve):
   assert not any(map(alive, pids))
 
 
-def test_a_reload_that_removes_the_tenant_stops_its_idle_workers(serve, tmp_path):
+def test_a_pool_tenant_s_feed_workers_stop_with_their_feed_none_kept_idle_yet(serve, tmp_path):
+  """A pool tenant's feed runs in its own process, which alone knows its data identity: its
+  ended feed keeps no idle workers (ARCHITECTURE.md, "Tenant processes"). Its workers are
+  its process's, stopped with their feed, and give its ``feed_workers`` back to its next
+  feed. (The store's own rules for a pool's tenants, a reload that revokes one included,
+  are tests/unit/server/feeds/test_idle.py's.)"""
   path = write_pool(tmp_path, "tenants:\n  - {name: alice, token_file: alice.token, "
                               "checkpoint_roots: [alice], feed_workers: 1}\n"
                               "  - {name: bob, token_file: bob.token}\n")
   server = serve(pool=path)
   with controller(server, token=ALICE) as ctl:
-    with open_feed(ctl, "ids", workers=1) as feed:
-      take(feed, 1)
-      pids = mine()
-    assert eventually(lambda: server.idle_workers.pids() == pids)
-    with open_feed(ctl, "ids", workers=1, seed=1) as feed:  # her quota: 1, held by the idle one
-      take(feed, 1)
-      assert not any(map(alive, pids))
-      pids = mine()
-  assert eventually(lambda: server.idle_workers.pids() == pids)
-  (tmp_path / "pool.yaml").write_text("tenants:\n  - {name: bob, token_file: bob.token}\n")
-  server.reload()
-  assert not any(map(alive, pids)) and server.idle_workers.pids() == []
+    for seed in (0, 1):  # her quota: 1, the second feed's once the first one's stopped
+      with open_feed(ctl, "ids", workers=1, seed=seed) as feed:
+        take(feed, 1)
+        pids = feed_workers(os.getpid(), TENANT_CHILD)
+        assert len(pids) == 1 and mine() == []
+      assert eventually(lambda: not any(map(alive, pids)))
+      assert server.idle_workers.pids() == []
 
 
 def test_idle_workers_end_with_a_sidecar_killed_by_sigkill():
