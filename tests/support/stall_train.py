@@ -6,7 +6,8 @@ python -m tests.support.stall_train DIR HOW HANGS [S [RANK]]``. It takes one bat
 goodput ledger's directory), and after step HANG_AT, while ``SIDECAR_RESTART`` is below
 HANGS, does HOW (only process RANK where given: the others go on until it hangs, waiting
 meanwhile in a long phase, ``ctl.phase``, then take one more step and wait for it in a
-blocked call, as in a collective: idle too, but stalled after it):
+blocked call, as in a collective: idle too, but stalled after it; with
+``STALL_TRAIN_WAIT=phase``, still in a long phase, never stalled):
 
 - ``sleep``: hangs for good in ``time.sleep`` (in :func:`hang_in_sleep`); ``recv``: in a
   socket read that never returns (in :func:`hang_in_recv`), both C calls;
@@ -114,6 +115,9 @@ def main(directory: str, how: str, hangs: str, stall_s: str = "8", rank: str = "
                 time.sleep(0.01)
             next(feed)  # one more step, after its last one
             emit("waiting", step=step)
+            if os.environ.get("STALL_TRAIN_WAIT") == "phase":  # still waiting, declared
+              with ctl.phase("eval", budget_s=100 * float(stall_s)):
+                hang_in_sleep()
             hang_in_sleep()
       ckpt.close()
   finally:

@@ -89,7 +89,8 @@ class DirFd:
     """The directory ``path`` (absolute and resolved, ``top`` itself or a path under it),
     reached from the directory ``top`` (as :meth:`at` reaches it) one component at a time
     with no symlink followed: one met is a PermissionDeniedError (the path changed since
-    it was resolved). ``make``: missing components made (0o755).
+    it was resolved). ``make``: missing components made (0o755), ``top``'s too (as
+    :meth:`at` makes them: a checkpoint root named before its first save).
 
     Raises:
       ValueError: ``path`` is not ``top`` nor under it (a bug of the caller's).
@@ -99,7 +100,13 @@ class DirFd:
     parts = [] if rest == "." else rest.split("/")
     if any(p in ("", ".", "..") for p in parts) or os.path.isabs(rest):
       raise ValueError(f"{path!r} is not under {top!r}")
-    fd = beneath.open_dir(top)
+    try:
+      fd = beneath.open_dir(top)
+    except FileNotFoundError:
+      if not make:
+        raise
+      with cls.at(top, make=True) as made:
+        fd = os.dup(made.fd)
     if parts:  # one call where the kernel resolves beneath itself (openat2)
       try:
         fast = beneath.openat2(fd, rest, beneath.DIR_FLAGS, 0,

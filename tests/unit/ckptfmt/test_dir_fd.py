@@ -41,6 +41,11 @@ def test_below_makes_what_is_missing_and_refuses_a_file_on_the_way(tmp_path, how
   (tmp_path / "f").write_text("")
   with pytest.raises(NotADirectoryError):
     dir_fd.DirFd.below(str(tmp_path), str(tmp_path / "f" / "y"), make=True)
+  root = tmp_path / "root"  # a checkpoint root named before its first save: made too
+  with pytest.raises(FileNotFoundError):
+    dir_fd.DirFd.below(str(root), str(root / "run"))
+  with dir_fd.DirFd.below(str(root), str(root / "run"), make=True) as d:
+    assert d.identity() == dir_fd.DirFd.at(root / "run").identity()
 
 
 def test_acts_stay_in_the_directory_opened_when_its_path_is_swapped(tmp_path):

@@ -393,13 +393,15 @@ class Work:
     """A checkpoint shard read from storage in the tenant's process, as its user
     (``read.read_stored``): into a block pinned here (worker ``session``, which the caller
     then leases it to), else its bytes back (inline: the caller holds them as its inline
-    bytes)."""
+    bytes; so too a record with no dtype, an earlier release's, whose size only the read
+    finds: the caller copies them into a block)."""
+    into_block = bool(session) and bool(record.dtype)
     with Job(self._process(), self._io, session=session, alive=alive,
              time_left=time_left) as job:
-      job.send(m.ReadJob(final_dir, record.to_dict(), bool(session), checked))
+      job.send(m.ReadJob(final_dir, record.to_dict(), into_block, checked))
       message, payload = job.wait((m.Data,), payload_limit=self._limit)
       assert isinstance(message, m.Data)
-      if session:
+      if into_block:
         return job.read_block(message, record)
       data = np.frombuffer(payload or b"", np.uint8)
       if not record.dtype:  # a DCP bytes item: its bytes as they are

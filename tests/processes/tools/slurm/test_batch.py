@@ -193,7 +193,11 @@ def test_a_stalled_rank_is_killed_and_the_ledger_on_another_sidecar_counts_the_s
                            "--devices-per-task", "1", "--import", "tests.support.feed_fns",
                            command=[sys.executable, "-m", "tests.support.stall_train",
                                     str(ckpt), "sleep", "1", str(stall_s), "1"],
-                           env={"SIDECAR_STALL_TIMEOUT": str(stall_s)})
+                           # Rank 0 waits in its phase after its last step too: each task's
+                           # own watchdog would find it idle, 4 s after that step, as soon
+                           # as rank 1's (whose kill ends the step) finds rank 1.
+                           env={"SIDECAR_STALL_TIMEOUT": str(stall_s),
+                                "STALL_TRAIN_WAIT": "phase"})
   assert code != 0, output  # the step's: the stalled task's 124, or 137, rank 0's kill
   assert "task 1: Exited with exit code 124" in output, output  # core/stall.EXIT_CODE
   assert re.search(r"host 1 rank 1 stalled: no step for [\d.]+ s", output), output
