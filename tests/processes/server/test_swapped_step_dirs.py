@@ -83,6 +83,8 @@ def attacked():
       os.chown(path, BOB_UID, BOB_UID, follow_symlinks=False)
     os.symlink(alice / "run", bob / "run.link")
     os.chown(bob / "run.link", BOB_UID, BOB_UID, follow_symlinks=False)
+    for tenant in ("alice", "bob"):  # each started at its first read from storage: here, so
+      server.tenant_procs.process(tenant)  # their threads are the module's, not a test's
     yield server, alice / "run", bob / "run"
   finally:
     server.stop(grace=0)

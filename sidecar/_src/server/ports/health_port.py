@@ -221,6 +221,8 @@ class HealthPort:
         self._pause(e)
         return
       self._keep(client, remote_of(address))
+      if self._paused_until:  # its relay found no descriptor
+        return
 
   def _pause(self, error: OSError) -> None:
     """Out of descriptors (a flood on another port), buffers or memory: accepting rests
@@ -245,7 +247,13 @@ class HealthPort:
     for fd in gone:
       self.refused += 1
       self._end(self._links[fd], counted=False)  # type: ignore[index]  # our keys: fds
-    inner = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+      inner = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    except OSError as e:  # no descriptor left for its relay (EMFILE): it goes, accepting rests
+      self.remotes.remove(remote, client.fileno())
+      client.close()
+      self._pause(e)
+      return
     inner.setblocking(False)
     client.setblocking(False)
     if inner.connect_ex(self.inner) != 0:  # a Unix socket connects at once, or not at all
