@@ -150,7 +150,7 @@ def test_a_pool_tenant_s_feed_workers_stop_with_their_feed_none_kept_idle_yet(se
         take(feed, 1)
         pids = feed_workers(os.getpid(), TENANT_CHILD)
         assert len(pids) == 1 and mine() == []
-      assert eventually(lambda: not any(map(alive, pids)))
+      assert eventually(lambda pids=pids: not any(map(alive, pids)))
       assert server.idle_workers.pids() == []
 
 
