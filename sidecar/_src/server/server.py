@@ -316,7 +316,8 @@ class Server:
     a gRPC server of its own on a Unix socket in a private directory, which takes one
     stream per connection and has a thread per connection (ports/health_port.py)."""
     slots = health_port_lib.HEALTH_CONNECTIONS
-    self._health_dir = health_port_lib.inner_dir()
+    self._health_dir = health_port_lib.inner_dir(
+        os.path.dirname(o.socket_path) if o.socket_path else None)
     inner = os.path.join(self._health_dir, health_port_lib.INNER_NAME)
     self._executors.append(futures.ThreadPoolExecutor(slots, thread_name_prefix="sidecar-health"))
     self._health_grpc = grpc.server(self._executors[-1], options=[

@@ -33,6 +33,7 @@ import logging
 import os
 import selectors
 import socket
+import tempfile
 import threading
 import time
 
@@ -56,10 +57,27 @@ INNER_PREFIX = "sidecar-health-"
 INNER_NAME = "health.sock"
 
 
-def inner_dir() -> str:
-  """A new private directory (0700) for the health server's own Unix socket; first removes
-  those a killed sidecar of this user left (their socket served by nobody)."""
-  made = ipc.socket_dir(INNER_PREFIX)
+def inner_dir(beside: str | None = None) -> str:
+  """A new private directory (0700) for the health server's own Unix socket: in the temp
+  directory, else (none usable: a read-only root filesystem without a /tmp volume) in
+  ``beside``, the worker socket's directory, which the sidecar writes in anyway. First
+  removes those a killed sidecar of this user left (their socket served by nobody).
+
+  Raises:
+    FileNotFoundError: neither is writable, naming both and the fix.
+  """
+  try:
+    made = ipc.socket_dir(INNER_PREFIX)
+  except FileNotFoundError as e:  # tempfile's "No usable temporary directory found"
+    if beside is None:
+      raise
+    try:
+      made = tempfile.mkdtemp(prefix=INNER_PREFIX, dir=beside)
+    except OSError as e2:
+      raise FileNotFoundError(
+          f"the health port's own Unix socket needs a writable directory: {e}; and "
+          f"{beside} (the worker socket's directory): {e2.strerror or e2}; mount a "
+          "writable volume at /tmp (on Kubernetes, an emptyDir) or set TMPDIR") from None
   for d in glob.glob(os.path.join(os.path.dirname(made), INNER_PREFIX + "*")):
     path = os.path.join(d, INNER_NAME)
     if d == made or os.stat(d).st_uid != os.geteuid() or not os.path.exists(path):
