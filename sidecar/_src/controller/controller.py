@@ -135,7 +135,7 @@ class Controller:
     self._calls = Calls(connection=self._sidecars.conns.__getitem__,
                         worker=self._sidecars.workers.get)
     self._snapshots = Snapshots(self._sidecars, status=self.status)  # for checkpointers
-    self._feeds = self._checkpointers = 0  # made so far: SPMD names for their agreements
+    self._feeds = self._checkpointers = 0  # made so far: SPMD names for their exchanges
     self._children = Children()  # the feeds, streams and checkpointers it made
     self._watch: health.HealthWatch | None = None
     self._lock = threading.Lock()
@@ -228,7 +228,7 @@ class Controller:
 
   @property
   def peers(self) -> Peers:
-    """This job's trainer processes, for agreements of your own (``all_gather``,
+    """This job's trainer processes, for exchanges of your own (``all_gather``,
     ``broadcast``, ``check_same``); with one process, trivially itself."""
     return self._peers
 
@@ -409,7 +409,7 @@ class Controller:
     rows = layout(global_batch_size, dict(self._sidecars.device_hosts),
                   dict(self._sidecars.device_processes))
     self._feeds += 1
-    feed = feed_lib.agree_and_open(
+    feed = feed_lib.check_and_open(
         name, self._feeds, global_batch_size=global_batch_size, layout=rows,
         kwargs=kwargs or {}, seed=seed, num_epochs=num_epochs, state=state, options=options,
         peers=self._peers, local_hosts=self.local_hosts,

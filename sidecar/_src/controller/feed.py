@@ -69,7 +69,7 @@ class BatchLayout(abc.ABC):
 
   @abc.abstractmethod
   def describe(self) -> Any:
-    """A JSON value that every process of a job must agree on (say, the device ids that
+    """A JSON value that must be the same in every process of a job (say, the device ids that
     take each range)."""
 
   @abc.abstractmethod
@@ -510,7 +510,7 @@ def _host_start(state: dict[str, Any], i: int) -> dict[str, Any]:
   return {}
 
 
-def agree_and_open(name: str, number: int, *, global_batch_size: int, layout: BatchLayout,
+def check_and_open(name: str, number: int, *, global_batch_size: int, layout: BatchLayout,
                    kwargs: Mapping[str, Any], seed: int, num_epochs: int | None,
                    state: dict[str, Any] | None, options: options_lib.FeedOptions,
                    peers: Peers, open_call: Callable[[int, pb.CallRequest], Any],
@@ -518,9 +518,9 @@ def agree_and_open(name: str, number: int, *, global_batch_size: int, layout: Ba
                    arena_use: Callable[[], dict[int, float]],
                    on_batch: Callable[[float, float], None] | None = None) -> Feed:
   """Feed ``number`` of a controller, of registered pipeline ``name``, once every process
-  of the job agrees on its arguments: each of ``local_hosts`` streams its rows,
-  ``open_call(host_id, request)`` opening the stream with that host's worker
-  ``session(host_id)``."""
+  of the job has checked that its arguments are the same everywhere: each of
+  ``local_hosts`` streams its rows, ``open_call(host_id, request)`` opening the stream with
+  that host's worker ``session(host_id)``."""
   key = f"feed/{number}"
   encoded, no_args = codec.encode(dict(kwargs), where="kwargs"), codec.encode(())
   peers.check_same(f"{key}/open", {

@@ -5,7 +5,7 @@ streams, the rows of a global batch each host produces, and the checkpoint proto
 over shards described with no framework's types: a leaf's spec (key path, global shape,
 dtype name) and each shard's ``records.ShardRecord`` (its key path, its index as
 ``((start, stop), ...)`` per dimension, leaf number, dtype, shape, size), its elements a
-host numpy buffer beside it. It walks trees with ``core/trees.py``, agrees between
+host numpy buffer beside it. It walks trees with ``core/trees.py``, exchanges values between
 processes through ``controller/peers.Peers``, and imports no framework. Whatever needs
 one lives in that framework's adapter package, behind the interfaces below::
 
@@ -18,7 +18,7 @@ one lives in that framework's adapter package, behind the interfaces below::
                                       |
                      Framework: devices, arrays, shards (this module)
                      BatchLayout: rows of a global batch -> arrays (controller/feed.py)
-                     Peers: agreement between processes (controller/peers.py)
+                     Peers: exchanges between processes (controller/peers.py)
 
 What an adapter implements:
 

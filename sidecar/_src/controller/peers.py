@@ -1,11 +1,11 @@
-"""How the trainer processes of one job agree: the :class:`Peers` interface.
+"""How the trainer processes of one job exchange values: the :class:`Peers` interface.
 
 Every method is called by every process with the same ``key`` (SPMD), so each
-agreement is named by a key every process computes alike (``ckpt/3/save/7/prepared``,
+exchange is named by a key every process computes alike (``ckpt/3/save/7/prepared``,
 say); values are short strings (JSON). A framework supplies the store that moves them:
 ``jax.distributed``'s key-value store (``jax/distributed.JaxPeers``), ``torch.distributed``'s
 ``Store`` (the PyTorch adapter). :class:`LocalPeers` is the one-process case, where
-agreement is free.
+an exchange is free.
 
 A store implementation needs two methods::
 
@@ -40,7 +40,7 @@ DEFAULT_SYNC_TIMEOUT_S = env_lib.DEFAULT_SYNC_TIMEOUT_S
 
 
 def sync_timeout(env: Mapping[str, str] | None = None) -> float:
-  """Seconds to wait for the other processes at an agreement (``SIDECAR_SYNC_TIMEOUT``)."""
+  """Seconds to wait for the other processes at an exchange (``SIDECAR_SYNC_TIMEOUT``)."""
   text = (os.environ if env is None else env).get(SYNC_TIMEOUT, "").strip()
   if not text:
     return DEFAULT_SYNC_TIMEOUT_S
@@ -58,7 +58,7 @@ def _timeout(timeout: float | None) -> float:
 
 
 class Peers(abc.ABC):
-  """The processes of one job, and how they agree. Subclasses move the values.
+  """The processes of one job, and how they exchange values. Subclasses move the values.
 
   Attributes:
     index: this process's index in the job.
@@ -123,7 +123,7 @@ class Peers(abc.ABC):
 
 
 class LocalPeers(Peers):
-  """One process: it agrees with itself, and nobody else reads what it publishes."""
+  """One process: it is alone at each exchange, and nobody else reads what it publishes."""
 
   def publish(self, key: str, value: str) -> None:
     del key, value

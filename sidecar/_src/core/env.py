@@ -205,7 +205,7 @@ PEER_TIMEOUT = _var(
     "HostLostError", default=f"{DEFAULT_SILENCE_TIMEOUT_S:g}", readers="Worker, Controller")
 DEFAULT_SYNC_TIMEOUT_S = 300.0
 SYNC_TIMEOUT = _var(
-    "SIDECAR_SYNC_TIMEOUT", "seconds a process waits for the others at an agreement",
+    "SIDECAR_SYNC_TIMEOUT", "seconds a process waits for the others at an exchange",
     default=f"{DEFAULT_SYNC_TIMEOUT_S:g}", readers="Controller under N processes (distributed.py)")
 
 # ---- a JobSet's pods, from the downward API (k8s/render.py sets them) --------------------

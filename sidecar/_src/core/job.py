@@ -78,7 +78,7 @@ def name_of(env: Mapping[str, str]) -> str | None:
   """The job's name from ``env``: the same in every process of one job and in its restarts,
   another in every other job (``SIDECAR_JOB``, which ``sidecar launch`` sets once per
   launch; else a Slurm job's id or a JobSet's name); None where the environment names
-  none (the processes then agree on process 0's random one)."""
+  none (the processes then all take process 0's random one)."""
   get = lambda name: env.get(name, "").strip()
   if get(env_lib.JOB):
     return get(env_lib.JOB)

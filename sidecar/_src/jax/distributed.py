@@ -4,10 +4,10 @@ Runs in the trainer processes. Two things live here:
 
 - :func:`initialize`: ``jax.distributed.initialize`` from what ``sidecar launch`` or the
   k8s manifests put in the environment (or JAX's own cluster detection).
-- :class:`JaxPeers`: how the processes of one job agree, through the ``jax.distributed``
+- :class:`JaxPeers`: how the processes of one job exchange values, through the ``jax.distributed``
   coordination service (its key-value store, with timeouts), as Orbax's multihost
   utilities do. The interface, :class:`Peers`, and the one-process :class:`LocalPeers`
-  are the controller core's (``controller/peers.py``): a PyTorch job agrees the same way
+  are the controller core's (``controller/peers.py``): a PyTorch job exchanges them the same way
   through ``torch.distributed``'s store.
 
 The environment :func:`initialize` reads:
@@ -22,7 +22,7 @@ The environment :func:`initialize` reads:
 ``SIDECAR_PROCESS_ID``          this process; in a JobSet, by default
                                 ``SIDECAR_SLICE_ID * SIDECAR_HOSTS_PER_SLICE + SIDECAR_HOST_ID``
 ``SIDECAR_LOCAL_DEVICES``       CPU runs only: CPU devices of this process
-``SIDECAR_SYNC_TIMEOUT``        seconds a process waits for the others at an agreement (300)
+``SIDECAR_SYNC_TIMEOUT``        seconds a process waits for the others at an exchange (300)
 ==============================  ================================================================
 """
 
@@ -108,7 +108,7 @@ def initialize(*, env: Mapping[str, str] | None = None, **kwargs: Any) -> bool:
   local = args.pop("local_devices", None)
   if local is not None:
     jax.config.update("jax_num_cpu_devices", local)
-  if args["num_processes"] == 1:  # sidecar launch --hosts 1: nothing to agree with
+  if args["num_processes"] == 1:  # sidecar launch --hosts 1: no other process to exchange with
     log.info("%s=1: one process, no jax.distributed", NUM_PROCESSES)
     return False
   jax.distributed.initialize(**args, **kwargs)

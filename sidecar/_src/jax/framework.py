@@ -2,7 +2,7 @@
 
 Devices are ``jax.Device``s and their global ids; a stream's arrays go onto a device
 with ``jax/transfer``; a state tree's shards and a restore target's blocks come from
-``jax/checkpoint``; the processes of a job agree through ``jax.distributed``
+``jax/checkpoint``; the processes of a job exchange values through ``jax.distributed``
 (``jax/distributed.JaxPeers``). Nothing here starts JAX's backends before a
 Controller needs a device.
 """

@@ -4,7 +4,7 @@ The controller core (``controller/controller.py``) with the PyTorch adapter
 (``torch/framework.TorchFramework``): it sees every sidecar of the job
 (``SIDECAR_HOSTS``, or a JobSet's pods), attaches this rank's own Worker session to its
 node's sidecar (``SIDECAR_ADDRESS``) and drives only that sidecar's data path for this
-rank. Under several ranks it agrees with the others through ``torch.distributed``'s
+rank. Under several ranks it exchanges values with the others through ``torch.distributed``'s
 store, starting the default process group first where the script has not.
 """
 

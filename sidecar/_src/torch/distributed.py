@@ -1,4 +1,4 @@
-"""A PyTorch job's ranks, from torchrun's environment, and how they agree.
+"""A PyTorch job's ranks, from torchrun's environment, and how they exchange values.
 
 torchrun (torchelastic), ``sidecar launch --torch`` and ``sidecar slurm batch`` give each
 rank the same variables, by torchrun's names:
@@ -20,7 +20,7 @@ in a JobSet's pod of the k8s manifests (one rank per pod) from the ``SIDECAR_*``
 ``sidecar.distributed`` reads (``core/job.py``), the coordinator's address and port (process
 0's pod, the trainer's ``coordinator`` port) as ``MASTER_ADDR`` and ``MASTER_PORT``.
 
-:class:`TorchPeers` agrees through the default process group's store (the TCPStore at
+:class:`TorchPeers` exchanges values through the default process group's store (the TCPStore at
 ``MASTER_ADDR:MASTER_PORT``), as ``jax/distributed.JaxPeers`` does through JAX's
 key-value store. The sidecars themselves are named by ``SIDECAR_*`` as for JAX
 (``SIDECAR_ADDRESS``, ``SIDECAR_HOSTS``: ``core/env.py``).

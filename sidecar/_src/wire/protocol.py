@@ -111,9 +111,9 @@ def _minor(version: str) -> str:
 
 
 def version_differences(ours: pb.Versions, theirs: pb.Versions) -> list[str]:
-  """What must agree between two processes and does not, one line each.
+  """What must match between two processes and does not, one line each.
 
-  Protocol and package versions must be equal; Python, numpy and JAX must agree
+  Protocol and package versions must be equal; Python, numpy and JAX must match
   on major.minor (patch releases do not change array layouts or the codec).
   """
   diffs = []

@@ -203,7 +203,7 @@ class ArenaIO:
     """A sidecar-side array on an arena block, pinned while any view of it lives.
 
     The block must be held by the caller's worker ``session`` and have room for
-    ``ref`` (the codec checked that ``ref`` agrees with its shape and dtype): a
+    ``ref`` (the codec checked that ``ref`` matches its shape and dtype): a
     caller reads and writes only its own blocks. Nothing is pinned unless all holds.
     """
     if not session or not self.is_attached(session):

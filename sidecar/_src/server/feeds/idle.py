@@ -66,7 +66,7 @@ WAIT_EVERY = 0.1
 @dataclasses.dataclass(frozen=True, slots=True)
 class WorkKey:
   """What a feed's workers were made for; another stream adopts them only where all of it
-  agrees: the kept batches' key (tenant, pipeline and its code, arguments, seed, rows and
+  matches: the kept batches' key (tenant, pipeline and its code, arguments, seed, rows and
   batch, data identity), where the pipeline may read (its tenant's data roots), and the
   arena the workers write into (each maps that memfd)."""
   feed: kept_lib.FeedKey

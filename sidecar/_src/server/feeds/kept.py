@@ -70,7 +70,7 @@ def told_position(text: str) -> Position | None:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class FeedKey:
-  """What a kept batch was made by: another feed serves it only where all of this agrees."""
+  """What a kept batch was made by: another feed serves it only where all of this matches."""
   tenant: str | None
   pipeline: str
   code_hash: str

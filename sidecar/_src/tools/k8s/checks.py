@@ -15,7 +15,7 @@ Schemas catch malformed fields (:mod:`schemas`); this module checks what they mi
 - ``terminationGracePeriodSeconds`` leaves time to flush a checkpoint;
 - a pod of several ranks (``torchrun --nproc-per-node P``) gives each its share of the
   arena (``SIDECAR_SESSION_QUOTA``);
-- the discovery env agrees with the JobSet (hosts per slice, ports, DNS hostnames);
+- the discovery env matches the JobSet (hosts per slice, ports, DNS hostnames);
 - ``sidecar.jax.initialize()`` can resolve jax.distributed from the trainer's env:
   each pod's process id comes from its JobSet annotations, the process count is slices times
   hosts per slice, and the trainer declares the coordinator port.
