@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from sidecar._src.core import errors
 from sidecar._src.server.checkpoint import ram_tier, write as write_lib
-from sidecar._src.server.checkpoint.step import Phase, Takeover
+from sidecar._src.server.checkpoint.step import Takeover
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -76,8 +76,8 @@ class Begins:
     other = self._begun.get(tmp)
     busy = self._tier.steps(
         lambda s: s.format == fmt and pathlib.Path(s.tmp_dir).is_relative_to(tmp)
-        and (s.phase in (Phase.STAGING, Phase.STAGED) or s.commit_gate.under_way
-             or (owner in s.owners and s.phase is Phase.WRITTEN)))
+        and (s.view().writing or s.commit_gate.under_way
+             or (owner in s.owners and s.view().awaits_commit)))
     another = "another session (another trainer process or Controller)"
     if other is not None and other.owner != owner:
       by = another
@@ -103,8 +103,8 @@ class Begins:
       return False
     if not mine:
       return time.monotonic() - begun.at < write_lib.STAGE_TIMEOUT_S
-    return any(s.phase in (Phase.STAGING, Phase.STAGED)
-               or (begun.alive is not None and s.phase is Phase.WRITTEN) for s in mine)
+    return any(s.view().writing or (begun.alive is not None and s.view().awaits_commit)
+               for s in mine)
 
   def forget_ended(self) -> None:
     """Forgets the begun saves that are no longer in flight (their trainers gone)."""
@@ -128,7 +128,7 @@ class Begins:
       if begun is not None and self._in_flight(begun):
         return True
     held = self._tier.steps(lambda s: pathlib.Path(s.tmp_dir).is_relative_to(tmp))
-    return any(s.commit_gate.under_way or (s.phase is Phase.WRITTEN and s.takeover is
+    return any(s.commit_gate.under_way or (s.view().awaits_commit and s.takeover is
                                            Takeover.NONE and s.trainers_alive() is not False)
                for s in held)
 

@@ -7,7 +7,7 @@ step by item or tmp directory, the commits pending in a directory, the steps in 
 what it holds) and commands (receive, replace or discard a replica, configure a
 directory's RAM steps), and is the one place a step enters (``slot``, ``add``) and leaves
 (``remove``, ``drop``, ``expire_uncommitted``) it: no caller takes its lock, and it takes
-it outside a step's. It reads a step's ``view()`` (``step.VIEWS``), never how the step
+it outside a step's. It reads a step's ``view()`` (``lifecycle.VIEWS``), never how the step
 keeps its state.
 ``committed`` keeps the newest steps of a directory within its ``ram_steps`` and
 ``ram_budget`` (own shards and replicas counted together), and the newest committed steps of
@@ -32,7 +32,7 @@ from sidecar._src.arena import shm
 from sidecar._src.ckptfmt.records import Held, Manifest, ShardId
 from sidecar._src.core import errors
 from sidecar._src.server.checkpoint.copies import Replica
-from sidecar._src.server.checkpoint.step import Phase, Step, Takeover
+from sidecar._src.server.checkpoint.step import Step, Takeover
 from sidecar._src.wire.protocol import pb
 
 log = logging.getLogger(__name__)
@@ -230,13 +230,13 @@ class RamTier:
   def mark_committed(self, final_dir: str) -> list[int]:
     """Marks a step (own shards and replicas) committed; evicts steps beyond the budget.
     Returns the kept steps. This host's own shards are marked once written here
-    (``Step.commit``), and a takeover of them ends (``Step.end_agreement``: committed, its
-    end is known); a step not written here yet (another save of it, staged again since) is
-    left as it is."""
+    (``Step.commit``), and a takeover of them ends with it (committed, its end is known);
+    a step not written here yet (another save of it, staged again since) is left as it
+    is."""
     with self._lock:
       own = self._steps.get(final_dir)
       held = [r for r in self._replicas.values() if r.final_dir == final_dir]
-      if own is not None and own.phase not in (Phase.WRITTEN, Phase.COMMITTED):
+      if own is not None and not own.view().written:
         log.info("step %d of %s: told it is committed while %s here; left as it is",
                  own.step, own.directory, own.phase.value, extra={"step": own.step})
         own = None
@@ -247,9 +247,7 @@ class RamTier:
       for r in held:
         r.commit()
       if own is not None:
-        own.commit()
-        if own.takeover is Takeover.PENDING:
-          own.end_agreement()
+        own.commit()  # (a takeover pending ends with it)
       return self._evict(own.directory if own is not None else held[0].directory)
 
   def keep_manifest(self, final_dir: str, manifest: Manifest) -> None:
@@ -302,7 +300,7 @@ class RamTier:
 
   def status(self) -> list[pb.CheckpointStatus]:
     """Per directory: the steps in the RAM tier and those still being written, each in
-    the lists its view names (``step.VIEWS``)."""
+    the lists its view names (``lifecycle.VIEWS``)."""
     with self._lock:
       steps = list(self._steps.values())
       held = [r for r in self._replicas.values() if r.whole and r.committed]

@@ -21,8 +21,9 @@ from collections.abc import Callable
 from sidecar._src.arena import shm
 from sidecar._src.server import metrics as metrics_lib
 from sidecar._src.server.checkpoint.copies import Replica
+from sidecar._src.server.checkpoint.lifecycle import Reason
 from sidecar._src.server.checkpoint.ram_tier import Holdings, RamTier
-from sidecar._src.server.checkpoint.step import DURABLE, Step
+from sidecar._src.server.checkpoint.step import Step
 
 log = logging.getLogger(__name__)
 # How long ``reclaim`` and ``describe`` wait for the RAM tier's lock: the allocation that
@@ -37,17 +38,18 @@ class Copy:
   step: int
   nbytes: int
   group: str | None  # the pool tenant whose directory it is (None: no pool, or none)
-  state: str  # "durable", or why not: "being written", "waiting for its commit", ...
+  state: Reason  # durable, or why not: being written, waiting for its commit, ...
 
   @property
   def durable(self) -> bool:
-    return self.state == DURABLE
+    return self.state is Reason.DURABLE
 
 
-def _state(held: Step | Replica) -> str:
-  """A step's reason is its view's (``step.VIEWS``); a replica is durable once committed."""
+def _state(held: Step | Replica) -> Reason:
+  """A step's reason is its view's (``lifecycle.VIEWS``); a replica is durable once
+  committed."""
   if isinstance(held, Replica):
-    return DURABLE if held.committed else "a replica on its way"
+    return Reason.DURABLE if held.committed else Reason.ON_ITS_WAY
   return held.view().copy
 
 
@@ -57,12 +59,12 @@ def copies(holdings: Holdings) -> list[Copy]:
   merged: dict[tuple[str, int], list] = {}  # (directory, step) -> [bytes, state, final_dir]
   held: list[Step | Replica] = [*holdings.steps, *holdings.replicas]
   for one in held:
-    entry = merged.setdefault((one.directory, one.step), [0, DURABLE, one.final_dir])
+    entry = merged.setdefault((one.directory, one.step), [0, Reason.DURABLE, one.final_dir])
     entry[0] += one.nbytes
-    if entry[1] == DURABLE:  # durable once every part is
+    if entry[1] is Reason.DURABLE:  # durable once every part is
       entry[1] = _state(one)
   commits = {final_dir: i for i, final_dir in enumerate(holdings.commits)}
-  order = sorted(merged, key=lambda k: (merged[k][1] != DURABLE,
+  order = sorted(merged, key=lambda k: (merged[k][1] is not Reason.DURABLE,
                                         commits.get(merged[k][2], len(commits)), k[1]))
   return [Copy(directory, step, merged[directory, step][0], holdings.group_of(directory),
                merged[directory, step][1])
@@ -77,7 +79,7 @@ def describe(held: list[Copy], visible: Callable[[str], bool] | None = None) -> 
   """
   if not held:
     return "no RAM-tier steps"
-  parts: dict[tuple[str, str], list[Copy]] = {}
+  parts: dict[tuple[str, Reason], list[Copy]] = {}
   hidden: dict[bool, int] = {}  # durable or not -> bytes of directories not shown
   for c in held:
     if visible is None or visible(c.directory):
@@ -88,7 +90,7 @@ def describe(held: list[Copy], visible: Callable[[str], bool] | None = None) -> 
   for (directory, state), group in parts.items():
     steps = ", ".join(str(c.step) for c in group)
     size = shm.format_size(sum(c.nbytes for c in group))
-    why = ("durable, still read or held elsewhere" if state == "durable"
+    why = ("durable, still read or held elsewhere" if state is Reason.DURABLE
            else f"{state}: not durable yet, kept")
     text.append(f"{directory} step{'s' if len(group) > 1 else ''} {steps} ({size}, {why})")
   for durable, nbytes in sorted(hidden.items()):

@@ -4,7 +4,7 @@ A :class:`Step` is the sidecar's one object for a step it staged: its shards (ea
 ``records.Staged``, the shard's record with its bytes beside it: the RAM tier's copy),
 its write's outcome, whether the sidecars took it over, and its replication. Its state
 changes only through the methods below, each called from one module; nothing else
-assigns it. Its :class:`Phase`::
+assigns it. Its phase (``lifecycle.Phase``)::
 
     STAGING --take(last)--> STAGED --end_write(records)--> WRITTEN --commit()--> COMMITTED
        |                      |                               |                      |
@@ -18,7 +18,8 @@ assigns it. Its :class:`Phase`::
   records as written (crc32c set), or FAILED with the write's error. A step dropped
   meanwhile (aborted mid-write) stays DROPPED: the outcome is only recorded.
 - ``commit`` (``ram_tier.RamTier.mark_committed``): WRITTEN to COMMITTED, once; again is
-  nothing. It does not end an agreement (the tier ends it, explicitly, beside).
+  nothing. A takeover pending ends with it, in the same transition (committed, its end is
+  known).
 - ``drop`` (``ram_tier.RamTier``: evicted, expired, aborted, abandoned, replaced, a write
   failed mid-stage with its trainers gone): its bytes go back to the arena (as their last
   views die), its replication is cancelled, and a writer still waiting for shards is
@@ -26,10 +27,10 @@ assigns it. Its :class:`Phase`::
 
 Beside the phase, three things run along with it:
 
-- **its takeover** (:class:`Takeover`, ``agreement.Agreements``): NONE, then PENDING by
+- **its takeover** (``lifecycle.Takeover``, ``agreement.Agreements``): NONE, then PENDING by
   ``take_over`` once STAGED with its writers' plans (NONE again by ``refuse_takeover`` if
   the committer refused it), ENDED by ``end_agreement`` once the sidecars committed or
-  abandoned it (``agreement.Agreements``), or once it is committed here
+  abandoned it (``agreement.Agreements``), or by ``commit`` once it is committed here
   (``ram_tier.RamTier.mark_committed``), whether or not its trainers are there. Only the
   step holds whether it was taken over.
 - **replication** (``replication.Replicator``): ``start_replication`` once STAGED (once
@@ -40,25 +41,9 @@ Beside the phase, three things run along with it:
 A transition from a phase it does not leave raises :class:`StateError` (an internal
 error: a caller's bug, never a client's).
 
-Outside this module, code reads a step's ``phase`` and its ``takeover``, never how they
-are kept: :data:`VIEWS` projects each (phase, takeover) to every outside view of it
-(:class:`View`: what this host tells the committer, the Status lists, the RAM tier's
-reason to keep it, ``sidecar drain``'s word), and :meth:`Step.view` reads it::
-
-    phase      takeover  agree       Status lists           RAM tier's reason        drain
-    STAGING    NONE      TAKEN_OVER  writing                being written            writing
-    STAGING    PENDING   TAKEN_OVER  committing, writing    being written            writing
-    STAGED     (as STAGING)
-    WRITTEN    NONE      WRITTEN     uncommitted            waiting for its commit   uncommitted
-    WRITTEN    PENDING   WRITTEN     committing             waiting for its commit   writing
-    FAILED     NONE      FAILED      uncommitted            its save failed          uncommitted
-    FAILED     PENDING   FAILED      committing             its save failed          writing
-    COMMITTED  NONE      WRITTEN     ram_steps              durable                  committed
-    COMMITTED  PENDING   WRITTEN     committing, ram_steps  durable                  writing
-    DROPPED    any       (its write) -                      being written            -
-
-ENDED reads as NONE. A dropped step is in no list (the RAM tier holds it no more); what it
-tells the committer is its write's end, kept through the drop (``Step.view``).
+Outside this module, code reads a step's ``phase``, its ``takeover`` and its ``view()``,
+never how they are kept: ``lifecycle.VIEWS`` projects each (phase, write's outcome,
+takeover) to every outside view of it, and :meth:`Step.view` reads it.
 
 Threads: the gRPC handlers (``take``, ``commit``, ``drop``), the step's writer (``arrivals``,
 ``count_written``, ``end_write``), the agreement's threads (``take_over``, ``end_agreement``),
@@ -73,8 +58,6 @@ is set once at the start (its directory, step, paths, format, numbering) is read
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import queue
 import threading
 import time
@@ -84,121 +67,12 @@ from typing import Any
 import numpy as np
 
 from sidecar._src.ckptfmt.format import Numbering
-from sidecar._src.ckptfmt.records import (
-  AgreePhase,
-  CommitPlan,
-  Manifest,
-  ShardId,
-  ShardRecord,
-  Staged,
-)
+from sidecar._src.ckptfmt.records import CommitPlan, Manifest, ShardId, ShardRecord, Staged
 from sidecar._src.ckptfmt.spec import LeafSpec
 from sidecar._src.core import errors
 from sidecar._src.server.checkpoint.commit_gate import CommitGate
 from sidecar._src.server.checkpoint.copies import Replication, StepCopy
-
-
-class Phase(enum.Enum):
-  """Where a :class:`Step` is (the module's docstring draws the transitions)."""
-  STAGING = "staging"  # shards arrive; the writer writes them as they come
-  STAGED = "staged"  # every writer sent its last part: no more shards come
-  WRITTEN = "written"  # written in its tmp directory; waits for its commit
-  FAILED = "failed"  # its write failed (or was stopped)
-  COMMITTED = "committed"  # committed on storage: the RAM tier's copy is durable
-  DROPPED = "dropped"  # gone from the RAM tier: its bytes went back
-
-
-class Takeover(enum.Enum):
-  """Whether the sidecars took a :class:`Step` over (``agreement.py``), beside its phase."""
-  NONE = "not taken over"  # its trainers commit it (or nobody does)
-  PENDING = "taken over"  # the sidecars commit it; its end is not known here yet
-  ENDED = "agreed"  # the sidecars committed or abandoned it, or it is committed here
-
-
-# The Status lists a step is in (``CheckpointStatus``'s fields).
-WRITING_LIST, UNCOMMITTED_LIST = "writing", "uncommitted"
-RAM_LIST, COMMITTING_LIST = "ram_steps", "committing"
-# What ``sidecar drain`` (tools/drain.py) calls a step a sidecar lists.
-WRITING, UNCOMMITTED, COMMITTED = "writing", "uncommitted", "committed"
-# Why the RAM tier keeps a copy (``ram_yield.Copy.state``): durable, or why not.
-DURABLE, FAILED_COPY = "durable", "its save failed"
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class View:
-  """A step in one (phase, takeover), as each reader outside this module sees it.
-
-  Attributes:
-    agree: what this host tells the committer of its part (``agreement.py``); None: as its
-      write ended (a dropped step: WRITTEN, FAILED, or TAKEN_OVER while still written).
-    lists: the Status lists it is in (``RamTier.status``).
-    copy: why the RAM tier keeps it (``ram_yield``): durable, or why not.
-    drain: what ``sidecar drain`` calls it ("" where no list names it).
-  """
-  agree: AgreePhase | None
-  lists: tuple[str, ...]
-  copy: str
-  drain: str
-
-  @property
-  def in_flight(self) -> bool:
-    """Being written, or taken over with its end not known: a stop waits for it, an
-    ``open`` keeps its directory, ``sidecar drain`` says "writing"."""
-    return self.drain == WRITING
-
-  @property
-  def writing(self) -> bool:
-    """Its write goes on (Status's ``writing``): its bytes are counted as being written."""
-    return WRITING_LIST in self.lists
-
-  @property
-  def uncommitted(self) -> bool:
-    """Written (or failed) and not committed, its end not awaited: it expires."""
-    return UNCOMMITTED_LIST in self.lists
-
-  @property
-  def saving(self) -> bool:
-    """A save in progress (staged, being written or waiting for its commit): counted
-    against a pool tenant's saves."""
-    return self.copy not in (DURABLE, FAILED_COPY)
-
-
-_W, _U, _R, _C = WRITING_LIST, UNCOMMITTED_LIST, RAM_LIST, COMMITTING_LIST
-# Per phase: what it tells the committer, why the RAM tier keeps it, and its Status lists
-# with drain's word, not taken over (or its agreement ended), then taken over, pending.
-_ROWS: dict[Phase, tuple[AgreePhase | None, str, tuple[tuple[str, ...], str],
-                         tuple[tuple[str, ...], str]]] = {
-    Phase.STAGING: (AgreePhase.TAKEN_OVER, "being written", ((_W,), WRITING),
-                    ((_C, _W), WRITING)),
-    Phase.STAGED: (AgreePhase.TAKEN_OVER, "being written", ((_W,), WRITING),
-                   ((_C, _W), WRITING)),
-    Phase.WRITTEN: (AgreePhase.WRITTEN, "waiting for its commit", ((_U,), UNCOMMITTED),
-                    ((_C,), WRITING)),
-    Phase.FAILED: (AgreePhase.FAILED, FAILED_COPY, ((_U,), UNCOMMITTED), ((_C,), WRITING)),
-    Phase.COMMITTED: (AgreePhase.WRITTEN, DURABLE, ((_R,), COMMITTED), ((_C, _R), WRITING)),
-    Phase.DROPPED: (None, "being written", ((), ""), ((), "")),  # the tier holds it no more
-}
-
-
-def _row(phase: Phase, takeover: Takeover) -> View:
-  agree, copy, plain, pending = _ROWS[phase]
-  lists, drain = pending if takeover is Takeover.PENDING else plain
-  return View(agree, lists, copy, drain)
-
-
-# Every outside view of a step, by (phase, takeover): the one table.
-VIEWS = {
-    (phase, takeover): _row(phase, takeover) for phase in Phase for takeover in Takeover}
-
-
-def drain_of(lists: frozenset[str]) -> str:
-  """What ``sidecar drain`` calls a step that a sidecar's Status lists in ``lists``
-  (:data:`VIEWS` read backwards)."""
-  return _DRAIN_OF.get(lists, WRITING if COMMITTING_LIST in lists or WRITING_LIST in lists
-                       else UNCOMMITTED if UNCOMMITTED_LIST in lists else COMMITTED)
-
-
-_DRAIN_OF = {frozenset(v.lists): v.drain for v in VIEWS.values() if v.lists}
+from sidecar._src.server.checkpoint.lifecycle import VIEWS, Outcome, Phase, Takeover, View
 
 
 class StateError(errors.SidecarError, RuntimeError):
@@ -266,6 +140,7 @@ class Step(StepCopy):
     self._written_event = threading.Event()
     self._written_records: list[ShardRecord] = []
     self._error: BaseException | None = None
+    self._outcome = Outcome.NONE  # how its write ended (kept through a drop)
     self._written = 0  # bytes written so far
     self._finished: float | None = None  # time.monotonic() when its write ended
     # Set (not None) once taken over; set once the sidecars committed or abandoned it.
@@ -314,17 +189,9 @@ class Step(StepCopy):
     return Takeover.ENDED if agreed.is_set() else Takeover.PENDING
 
   def view(self) -> View:
-    """How the outside sees it now (:data:`VIEWS`); a dropped step tells the committer
-    its write's end, kept through the drop."""
+    """How the outside sees it now (``lifecycle.VIEWS``)."""
     with self._lock:
-      phase, takeover = self._phase, self.takeover
-      ended, failed = self._written_event.is_set(), self._error is not None
-    view = VIEWS[(phase, takeover)]
-    if view.agree is None:
-      agree = (AgreePhase.TAKEN_OVER if not ended
-               else AgreePhase.FAILED if failed else AgreePhase.WRITTEN)
-      view = dataclasses.replace(view, agree=agree)
-    return view
+      return VIEWS[(self._phase, self._outcome, self.takeover is Takeover.PENDING)]
 
   @property
   def committed(self) -> bool:
@@ -497,6 +364,7 @@ class Step(StepCopy):
         else:
           self._move(Phase.FAILED, legal=(Phase.STAGING, Phase.STAGED))
       self._error = error
+      self._outcome = Outcome.WRITTEN if error is None else Outcome.FAILED
       self._written_records = records if records is not None else []
       self._finished = time.monotonic()
     self._written_event.set()
@@ -504,11 +372,13 @@ class Step(StepCopy):
     return left
 
   def commit(self) -> None:
-    """``ram_tier.RamTier.mark_committed``'s: WRITTEN to COMMITTED (again: nothing). Its
-    takeover is left as it is (the tier ends it: ``end_agreement``)."""
+    """``ram_tier.RamTier.mark_committed``'s: WRITTEN to COMMITTED (again: nothing). A
+    takeover pending ends with it (committed here, its end is known)."""
     with self._lock:
       if self._phase is not Phase.COMMITTED:
         self._move(Phase.COMMITTED, legal=(Phase.WRITTEN,))
+      if self._agreed is not None:
+        self._agreed.set()
 
   def keep_manifest(self, manifest: Manifest) -> None:
     """A DCP step's manifest, kept with its RAM-tier copy (``info`` answers it)."""
@@ -571,8 +441,8 @@ class Step(StepCopy):
       self._agreed = None
 
   def end_agreement(self) -> None:
-    """``agreement.Agreements``': the sidecars committed or abandoned it (and
-    ``ram_tier.RamTier.mark_committed``'s: committed here); again is nothing."""
+    """``agreement.Agreements``': the sidecars committed or abandoned it; again (or after
+    ``commit``, which ends it too) is nothing."""
     agreed = self._agreed
     if agreed is None:
       raise StateError(f"step {self._step} at {self._final_dir!r:.200} was not taken over")

@@ -159,13 +159,15 @@ def test_a_refused_takeover_leaves_it_as_before():
   assert own.takeover is Takeover.NONE
 
 
-def test_its_commit_in_the_ram_tier_ends_its_agreement_not_its_commit_alone():
-  """Committing a step ends no agreement as a side effect: the RAM tier, told the step is
-  committed (its trainers' Committed, or the sidecars' commit), ends it beside."""
+def test_its_commit_ends_its_agreement_in_the_same_transition():
+  """A step committed here (its trainers' Committed, or the sidecars' commit, through the
+  RAM tier) is never committed and pending: its commit ends its takeover, in one place."""
   own = make_step(D, 1, FINAL, shard(0))
   own.take_over()
   own.commit()
-  assert own.committed and own.takeover is Takeover.PENDING
+  assert own.committed and own.takeover is Takeover.ENDED and own.wait_agreed(0)
+  own.end_agreement()  # the agreement's end after it: nothing
+  assert own.takeover is Takeover.ENDED
   again = make_step(D, 2, FINAL + "2", shard(0))
   again.take_over()
   tier = ram_tier.RamTier(0, uncommitted_s=3600.0)
