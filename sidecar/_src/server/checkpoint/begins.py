@@ -74,10 +74,10 @@ class Begins:
     for gone in [b for b in self._begun.values() if not self._in_flight(b)]:
       del self._begun[gone.tmp]  # (forget_ended, under the lock this Begin holds)
     other = self._begun.get(tmp)
-    busy = self._tier.steps(
-        lambda s: s.format == fmt and pathlib.Path(s.tmp_dir).is_relative_to(tmp)
-        and (s.view().writing or s.commit_gate.under_way
-             or (owner in s.owners and s.view().awaits_commit)))
+    busy = [s for s in self._tier.steps()
+            if s.format == fmt and pathlib.Path(s.tmp_dir).is_relative_to(tmp)
+            and (s.view().writing or s.commit_gate.under_way
+                 or (owner in s.owners and s.view().awaits_commit))]
     another = "another session (another trainer process or Controller)"
     if other is not None and other.owner != owner:
       by = another
@@ -95,8 +95,8 @@ class Begins:
     """Whether the save ``begun`` may still stage, write or commit: its trainer is there,
     and it staged within ``STAGE_TIMEOUT_S`` of its Begin and its step is not committed,
     failed nor dropped since (where its trainer is not known, while being written)."""
-    mine = self._tier.steps(lambda s: s.started >= begun.at and s.step == begun.step
-                            and pathlib.Path(s.tmp_dir).is_relative_to(begun.tmp))
+    mine = [s for s in self._tier.steps() if s.started >= begun.at and s.step == begun.step
+            and pathlib.Path(s.tmp_dir).is_relative_to(begun.tmp)]
     if any(s.takeover is Takeover.PENDING for s in mine):  # committed here, trainer or not
       return True
     if begun.alive is not None and not begun.alive():
@@ -127,7 +127,7 @@ class Begins:
       begun = self._begun.get(tmp)
       if begun is not None and self._in_flight(begun):
         return True
-    held = self._tier.steps(lambda s: pathlib.Path(s.tmp_dir).is_relative_to(tmp))
+    held = [s for s in self._tier.steps() if pathlib.Path(s.tmp_dir).is_relative_to(tmp)]
     return any(s.commit_gate.under_way or (s.view().awaits_commit and s.takeover is
                                            Takeover.NONE and s.trainers_alive() is not False)
                for s in held)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -151,12 +151,13 @@ class Replica(StepCopy):
     self._nbytes += data.nbytes - (old.nbytes if old is not None else 0)
     self._shards[key] = data
 
-  def piece_block(self, key: ShardId, make: Callable[[], np.ndarray]) -> list:
-    """The block the shard ``key`` is assembled in from its pieces (``make`` makes it at
-    its first piece), with the bytes received so far: ``[block, received]``."""
+  def piece_block(self, key: ShardId, block: np.ndarray | None = None) -> list | None:
+    """The block the shard ``key`` is assembled in from its pieces, with the bytes
+    received so far: ``[block, received]``; ``block`` is it at its first piece (None:
+    None then, the caller makes one)."""
     entry = self._partial.get(key)
-    if entry is None:
-      entry = self._partial[key] = [make(), 0]
+    if entry is None and block is not None:
+      entry = self._partial[key] = [block, 0]
     return entry
 
   def piece_received(self, key: ShardId, entry: list, nbytes: int) -> bool:

@@ -6,8 +6,9 @@ sidecar sent here). :class:`RamTier` keeps them under its own lock, behind queri
 step by item or tmp directory, the commits pending in a directory, the steps in flight,
 what it holds) and commands (receive, replace or discard a replica, configure a
 directory's RAM steps), and is the one place a step enters (``slot``, ``add``) and leaves
-(``remove``, ``drop``, ``expire_uncommitted``) it: no caller takes its lock, and it takes
-it outside a step's. It reads a step's ``view()`` (``lifecycle.VIEWS``), never how the step
+(``remove``, ``drop``, ``expire_uncommitted``) it: no caller takes its lock, no caller's
+code runs under it (it answers with lists and values its callers read outside it), and it
+takes it outside a step's. It reads a step's ``view()`` (``lifecycle.VIEWS``), never how the step
 keeps its state.
 ``committed`` keeps the newest steps of a directory within its ``ram_steps`` and
 ``ram_budget`` (own shards and replicas counted together), and the newest committed steps of
@@ -23,8 +24,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
-from typing import TypeVar
+from collections.abc import Callable, Collection, Iterable, Iterator
 
 import numpy as np
 
@@ -36,7 +36,6 @@ from sidecar._src.server.checkpoint.step import Step, Takeover
 from sidecar._src.wire.protocol import pb
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -118,30 +117,30 @@ class RamTier:
     with self._lock:
       return self._steps.get(own.final_dir) is own
 
-  def steps(self, where: Callable[[Step], bool] = lambda s: True) -> list[Step]:
-    """The steps held that ``where`` accepts (a list of its own)."""
+  def steps(self) -> list[Step]:
+    """The steps held (a list of its own: its caller reads them outside the lock)."""
     with self._lock:
-      return [s for s in self._steps.values() if where(s)]
+      return list(self._steps.values())
 
-  def replicas(self, where: Callable[[Replica], bool] = lambda r: True) -> list[Replica]:
-    """The replicas held that ``where`` accepts (a list of its own)."""
+  def replicas(self) -> list[Replica]:
+    """The replicas held (a list of its own)."""
     with self._lock:
-      return [r for r in self._replicas.values() if where(r)]
+      return list(self._replicas.values())
 
   def pending_commits(self, directory: str) -> list[Step]:
     """The steps of ``directory`` taken over here whose end is not known yet."""
-    return self.steps(lambda s: s.directory == directory
-                      and s.takeover is Takeover.PENDING)
+    return [s for s in self.steps()
+            if s.directory == directory and s.takeover is Takeover.PENDING]
 
   def in_flight(self, directory: str | None = None) -> list[Step]:
     """The steps (of ``directory``; None: any) being written, or taken over and not yet
     ended (``View.in_flight``)."""
-    return self.steps(lambda s: (directory is None or s.directory == directory)
-                      and s.view().in_flight)
+    return [s for s in self.steps()
+            if (directory is None or s.directory == directory) and s.view().in_flight]
 
   def writing(self) -> list[Step]:
     """The steps whose write goes on (Status's ``writing``)."""
-    return self.steps(lambda s: s.view().writing)
+    return [s for s in self.steps() if s.view().writing]
 
   def copies_of(self, final_dir: str) -> list[Step | Replica]:
     """The step and the replicas held of the item ``final_dir``."""
@@ -162,26 +161,18 @@ class RamTier:
     with self._lock:
       return dict(self._committed_dirs)
 
-  def ram_steps_of(self, directory: str) -> tuple[int, int | None]:
-    """``directory``'s RAM steps and budget (``configure``; one step, no budget unless)."""
-    with self._lock:
-      return self._ram_steps.get(directory, (1, None))
-
-  def look(self, read: Callable[[Holdings], T], *, timeout: float = -1) -> T | None:
-    """``read`` of what it holds (``Holdings``), under its lock (a replica's fields are
-    read as they are); None where the lock is busy for ``timeout`` s (-1: waits)."""
+  def holdings(self, *, timeout: float = -1) -> Holdings | None:
+    """What it holds now (``Holdings``, taken under its lock and read outside it: a
+    replica's fields as they are then); None where the lock is busy for ``timeout`` s
+    (-1: waits)."""
     if not self._lock.acquire(timeout=timeout):
       return None
     try:
-      return read(self._holdings())
+      groups = dict(self._groups)
+      return Holdings(tuple(self._steps.values()), tuple(self._replicas.values()),
+                      tuple(self._committed_dirs), lambda d: groups.get(os.path.realpath(d)))
     finally:
       self._lock.release()
-
-  def _holdings(self) -> Holdings:
-    """The lock is held."""
-    groups = dict(self._groups)
-    return Holdings(tuple(self._steps.values()), tuple(self._replicas.values()),
-                    tuple(self._committed_dirs), lambda d: groups.get(os.path.realpath(d)))
 
   # ---- steps --------------------------------------------------------------
 
@@ -374,34 +365,28 @@ class RamTier:
     with self._lock:
       return self._evict(directory)
 
-  def drop(self, directory: str, step: int) -> None:
-    """Forgets the committed step's own shards and replicas here; their arena blocks go
-    back as their views die."""
-    with self._lock:
-      self._drop(directory, step)
-
-  def give_way(self, choose: Callable[[Holdings], Iterable[tuple[str, int]]], *,
-               timeout: float = -1) -> bool:
-    """Drops the committed steps ``choose`` picks, as :meth:`drop`, from what it holds
-    (``Holdings``), in one look; False where its lock is busy for ``timeout`` s (-1:
-    waits), then nothing is chosen."""
+  def drop(self, steps: Iterable[tuple[str, int]], *, timeout: float = -1) -> bool:
+    """Forgets each committed step's own shards and replicas here, by (directory, step)
+    (a step committed no more, staged again since, stays); their arena blocks go back as
+    their views die. False where its lock is busy for ``timeout`` s (-1: waits), then
+    nothing goes."""
     if not self._lock.acquire(timeout=timeout):
       return False
     try:
-      for directory, step in list(choose(self._holdings())):
+      for directory, step in steps:
         self._drop(directory, step)
     finally:
       self._lock.release()
     return True
 
-  def release(self, match: Callable[[str], bool]) -> int:
-    """Drops the committed steps (own shards and replicas) of the directories ``match``
-    accepts (resolved); returns how many steps went."""
+  def release(self, directories: Collection[str]) -> int:
+    """Drops the committed steps (own shards and replicas) of ``directories`` (resolved);
+    returns how many steps went."""
     with self._lock:
       steps = {(s.directory, s.step) for s in self._steps.values()
-               if s.committed and match(os.path.realpath(s.directory))}
+               if s.committed and os.path.realpath(s.directory) in directories}
       steps |= {(r.directory, r.step) for r in self._replicas.values()
-                if r.committed and match(os.path.realpath(r.directory))}
+                if r.committed and os.path.realpath(r.directory) in directories}
       for directory, step in steps:
         self._drop(directory, step)
     return len(steps)
@@ -513,9 +498,16 @@ class RamTier:
 
   def replica_piece(self, replica: Replica, key: ShardId, make: Callable[[], np.ndarray]
                     ) -> list:
-    """``Replica.piece_block``."""
+    """``Replica.piece_block``: ``make`` makes the block at its first piece outside the
+    lock (an arena's allocation, which may ask the tier to give way)."""
     with self._lock:
-      return replica.piece_block(key, make)
+      entry = replica.piece_block(key)
+    if entry is None:
+      block = make()
+      with self._lock:
+        entry = replica.piece_block(key, block)
+    assert entry is not None
+    return entry
 
   def replica_piece_received(self, replica: Replica, key: ShardId, entry: list,
                              nbytes: int) -> bool:

@@ -80,7 +80,7 @@ def add_replica(tier, arena, step, source, *, blocks=1, whole=True, committed=Fa
 
 
 def replica_of(tier, final_dir, source):
-  (replica,) = tier.replicas(lambda r: r.final_dir == final_dir and r.source == source)
+  (replica,) = [r for r in tier.replicas() if r.final_dir == final_dir and r.source == source]
   return replica
 
 
@@ -157,7 +157,7 @@ def test_an_evicted_step_is_marked_gone_for_its_late_replicas(tier, arena):
   commit(tier, arena, 1)
   commit(tier, arena, 2)
   assert tier.committed_items()[item(1)] is False
-  tier.drop(D, 2)  # forget: max_to_keep deleted it
+  tier.drop([(D, 2)])  # forget: max_to_keep deleted it
   assert tier.committed_items()[item(2)] is False
   assert tier.steps() == [] and used_blocks(arena) == 0
 
@@ -168,14 +168,14 @@ def test_drop_cancels_the_replication_of_a_dropped_step(tier, arena):
   job, made = own.start_replication(
       lambda: step_lib.Replication([ReplicaTarget(host_id=1, address="127.0.0.1:1")]))
   assert made and job.receivers[0].host_id == 1
-  tier.drop(D, 1)
+  tier.drop([(D, 1)])
   assert job.cancelled and used_blocks(arena) == 0 and own.phase is step_lib.Phase.DROPPED
 
 
 def test_drop_keeps_uncommitted_steps_and_other_directories(tier, arena):
   add_step(tier, arena, 1)  # written, commit not yet in
   add_step(tier, arena, 1, directory="/ck/other", committed=True)
-  tier.drop(D, 1)
+  tier.drop([(D, 1)])
   assert sorted(s.final_dir for s in tier.steps()) == ["/ck/other/1/default", item(1)]
 
 
@@ -285,8 +285,9 @@ def test_a_replica_is_assembled_made_whole_and_replaces_the_one_held(tier, arena
   old.commit()
   new = ram_tier.Replica(D, 1, item(1), 2, replaces=old)
   key = ShardId(("w",), ((0, 1),))
-  entry = new.piece_block(key, lambda: staged(arena))
-  assert new.piece_block(key, lambda: pytest.fail("made twice")) is entry and new.partial == 1
+  assert new.piece_block(key) is None  # no block yet: its caller makes one
+  entry = new.piece_block(key, staged(arena))
+  assert new.piece_block(key) is entry and new.partial == 1
   assert not new.piece_received(key, entry, KB // 2)
   assert new.piece_received(key, entry, KB // 2) and new.partial == 0
   new.add_shard(key, entry[0])
@@ -321,7 +322,7 @@ def test_queries_find_steps_by_item_tmp_dir_and_state(tier, arena):
                                                                           other]
   assert tier.writing() == [writing, other]
   assert tier.pending_commits(D) == [pending] and tier.pending_commits("/ck/other") == []
-  assert tier.steps(lambda s: s.committed) == [committed]
+  assert [s for s in tier.steps() if s.committed] == [committed]
   add_replica(tier, arena, 3, source=2, committed=True)
   (replica,) = tier.replicas()
   assert tier.copies_of(item(3)) == [committed, replica] and tier.copies_of(item(8)) == []
@@ -335,14 +336,14 @@ def test_a_slot_checks_and_holds_a_step_in_one_look(tier, arena):
   old = add_step(tier, arena, 1)  # its write ended: a save of the step again replaces it
   with tier.slot(item(1)) as slot:
     assert slot.step is old
-    assert tier.look(lambda held: held, timeout=0) is None  # its lock is held: no one else looks
+    assert tier.holdings(timeout=0) is None  # its lock is held: no one else looks
     new = make_step(D, 1, item(1), {}, written=False, staged=False)
     slot.hold(new)
     assert slot.step is new
   assert tier.find(item(1)) is new and old.phase is step_lib.Phase.DROPPED
   with tier.slot(item(2)) as slot:
     assert slot.step is None
-  assert tier.look(lambda held: held, timeout=0) is not None
+  assert tier.holdings(timeout=0) is not None
 
 
 def test_replicas_are_received_replaced_and_discarded_by_its_commands(tier, arena):
@@ -365,7 +366,7 @@ def test_replicas_are_received_replaced_and_discarded_by_its_commands(tier, aren
   assert tier.replica_whole(again) and tier.replicas() == [again] and again.committed
   tier.discard_partial(again)  # whole: it stays
   assert tier.replicas() == [again]
-  tier.drop(D, 1)  # its step is forgotten: a replica of it arriving late is dropped then
+  tier.drop([(D, 1)])  # its step is forgotten: a replica of it arriving late is dropped then
   late = tier.open_replica(D, 1, item(1), 3)
   tier.add_replica_shard(late, key, staged(arena))
   assert tier.replica_whole(late) and tier.replicas() == [] and late.committed
@@ -382,9 +383,10 @@ def test_a_replica_held_in_place_replaces_any_of_its_step_and_source(tier, arena
 
 def test_a_directory_s_ram_steps_and_group_are_configured_by_command(arena):
   tier = ram_tier.RamTier(0, uncommitted_s=3600.0, group_budget={"alice": 10 * KB}.get)
-  assert tier.ram_steps_of(D) == (1, None)  # one step, no budget, until configured
+  # one step, no budget, until configured
+  assert [commit(tier, arena, s, directory="/ck/b") for s in (1, 2)] == [[1], [2]]
+  assert tier.drop([("/ck/b", 2)])
   tier.configure(D, 2, 4 * KB)
-  assert tier.ram_steps_of(D) == (2, 4 * KB)
   tier.set_group(D, "alice")
   assert [commit(tier, arena, s) for s in (1, 2, 3)] == [[1], [1, 2], [2, 3]]
   assert tier.group_use() == {"alice": (0, 2 * KB)}
@@ -392,24 +394,21 @@ def test_a_directory_s_ram_steps_and_group_are_configured_by_command(arena):
   assert tier.evict(D) == [] and tier.steps() == [] and used_blocks(arena) == 0
 
 
-def test_it_gives_way_in_one_look_and_releases_a_client_s_directories(tier, arena):
+def test_it_answers_what_it_holds_drops_and_releases_a_client_s_directories(tier, arena):
   tier.configure(D, 5, None)
   for step in (1, 2):
     commit(tier, arena, step)
   add_step(tier, arena, 3)  # not committed: never released
   commit(tier, arena, 4, directory="/ck/other")
-  seen = []
-
-  def choose(held):
-    seen.append((sorted(s.step for s in held.steps), held.commits, held.group_of(D)))
-    return [(D, 1)]
-
-  assert tier.give_way(choose)
-  assert seen == [([1, 2, 3, 4], (item(1), item(2), "/ck/other/4/default"), None)]
+  held = tier.holdings()
+  assert held is not None
+  assert (sorted(s.step for s in held.steps), held.commits, held.group_of(D)) == (
+      [1, 2, 3, 4], (item(1), item(2), "/ck/other/4/default"), None)
+  assert tier.drop([(D, 1), (D, 3)])  # step 3 is not committed: it stays
   assert sorted(s.step for s in tier.steps()) == [2, 3, 4]
-  with tier.slot(item(9)):  # busy: nothing is chosen
-    assert not tier.give_way(lambda held: pytest.fail("chose while busy"), timeout=0)
-  assert tier.release(lambda d: d == D) == 1  # step 2; step 3 is not committed
+  with tier.slot(item(9)):  # busy: nothing goes
+    assert not tier.drop([(D, 2)], timeout=0)
+  assert tier.release({D}) == 1  # step 2; step 3 is not committed
   assert sorted(s.step for s in tier.steps()) == [3, 4]
 
 
