@@ -67,7 +67,7 @@ from typing import Any
 import numpy as np
 
 from sidecar._src.ckptfmt.format import Numbering
-from sidecar._src.ckptfmt.records import CommitPlan, Manifest, ShardId, ShardRecord, Staged
+from sidecar._src.ckptfmt.records import CommitPlan, ShardId, ShardRecord, Staged
 from sidecar._src.ckptfmt.spec import LeafSpec
 from sidecar._src.core import errors
 from sidecar._src.server.checkpoint.commit_gate import CommitGate
@@ -114,16 +114,15 @@ class Step(StepCopy):
   def __init__(self, directory: str, step: int, final_dir: str, *, tmp_dir: str = "",
                writers: int = 1, format: str = "orbax",  # noqa: A002 - the wire's field
                numbering: Numbering | None = None):
-    super().__init__(directory, step, final_dir)
+    # Its shards, each record with its bytes (the one map of the RAM tier's copy), and its
+    # view by id (``shards``: the dict is never replaced).
+    self._staged: dict[ShardId, Staged] = {}
+    super().__init__(directory, step, final_dir, _Bytes(self._staged))
     self._tmp_dir, self._writers, self._format = tmp_dir, max(writers, 1), format
     self._numbering = numbering
     self._started = time.monotonic()
     self._lock = threading.Lock()
     self._phase = Phase.STAGING
-    # Its shards, each record with its bytes (the one map of the RAM tier's copy).
-    self._staged: dict[ShardId, Staged] = {}
-    self._bytes = _Bytes(self._staged)  # its view by id (the dict is never replaced)
-    self._nbytes = 0
     # Shards on their way to the writer (as the numbering made them); None once all are.
     self._incoming: queue.SimpleQueue = queue.SimpleQueue()
     self._lasts = 0  # the writers that sent their last part
@@ -146,7 +145,6 @@ class Step(StepCopy):
     # Set (not None) once taken over; set once the sidecars committed or abandoned it.
     self._agreed: threading.Event | None = None
     self._replication: Replication | None = None
-    self._manifest: Manifest | None = None  # a DCP step's, told at its commit
     self.commit_gate = CommitGate(step, final_dir)  # its commit and its abort, one at a time
 
   def __repr__(self) -> str:
@@ -215,15 +213,6 @@ class Step(StepCopy):
   def written(self) -> int:
     return self._written
 
-  @property
-  def nbytes(self) -> int:
-    return self._nbytes
-
-  @property
-  def shards(self) -> Mapping[ShardId, np.ndarray]:
-    """Its shards' bytes by id (a view: no copy)."""
-    return self._bytes
-
   def staged(self) -> list[Staged]:
     """Its shards, each record with its bytes (a list of its own)."""
     with self._lock:
@@ -242,10 +231,6 @@ class Step(StepCopy):
   @property
   def plans(self) -> tuple[CommitPlan, ...]:
     return tuple(self._plans)
-
-  @property
-  def manifest(self) -> Manifest | None:
-    return self._manifest
 
   @property
   def replication(self) -> Replication | None:
@@ -379,10 +364,6 @@ class Step(StepCopy):
         self._move(Phase.COMMITTED, legal=(Phase.WRITTEN,))
       if self._agreed is not None:
         self._agreed.set()
-
-  def keep_manifest(self, manifest: Manifest) -> None:
-    """A DCP step's manifest, kept with its RAM-tier copy (``info`` answers it)."""
-    self._manifest = manifest
 
   def drop(self, why: BaseException | None = None) -> None:
     """``ram_tier.RamTier``'s: DROPPED, from any phase but DROPPED. Its bytes go back to the
