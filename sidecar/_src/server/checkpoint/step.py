@@ -29,10 +29,11 @@ Beside the phase, three things run along with it:
 
 - **its takeover** (``lifecycle.Takeover``, ``agreement.Agreements``): NONE, then PENDING by
   ``take_over`` once STAGED with its writers' plans (NONE again by ``refuse_takeover`` if
-  the committer refused it), ENDED by ``end_agreement`` once the sidecars committed or
-  abandoned it (``agreement.Agreements``), or by ``commit`` once it is committed here
-  (``ram_tier.RamTier.mark_committed``), whether or not its trainers are there. Only the
-  step holds whether it was taken over.
+  the committer refused it), ENDED once its agreement's end is known here: the
+  agreement's ``ended`` event, which ``take_over`` hands it (the step keeps no copy of
+  it), set as the sidecars commit or abandon it (``agreement.Agreements._decide``) or by
+  ``commit`` once it is committed here (``ram_tier.RamTier.mark_committed``), whether or
+  not its trainers are there. Only the step holds whether it was taken over.
 - **replication** (``replication.Replicator``): ``start_replication`` once STAGED (once
   per step), its ``copies.Replication`` ending ``succeeded`` or ``failed``, cancelled by
   ``drop`` and ``stop``.
@@ -46,7 +47,7 @@ never how they are kept: ``lifecycle.VIEWS`` projects each (phase, write's outco
 takeover) to every outside view of it, and :meth:`Step.view` reads it.
 
 Threads: the gRPC handlers (``take``, ``commit``, ``drop``), the step's writer (``arrivals``,
-``count_written``, ``end_write``), the agreement's threads (``take_over``, ``end_agreement``),
+``count_written``, ``end_write``), the agreement's threads (``take_over``, ``refuse_takeover``),
 the RAM tier's yield and its reaper (``drop``) and the replication (``start_replication``,
 ``staged``). Each step's ``_lock`` guards its phase and its shards; it is a leaf (nothing that
 takes a lock is called while it is held: only the format's numbering of a Stage's shards runs
@@ -142,7 +143,8 @@ class Step(StepCopy):
     self._outcome = Outcome.NONE  # how its write ended (kept through a drop)
     self._written = 0  # bytes written so far
     self._finished: float | None = None  # time.monotonic() when its write ended
-    # Set (not None) once taken over; set once the sidecars committed or abandoned it.
+    # Its agreement's end (``Agreement.ended``) once taken over: set by the agreement once
+    # the sidecars committed or abandoned it, or by its commit here.
     self._agreed: threading.Event | None = None
     self._replication: Replication | None = None
     self.commit_gate = CommitGate(step, final_dir)  # its commit and its abort, one at a time
@@ -406,28 +408,21 @@ class Step(StepCopy):
     if staging:
       self._incoming.put(why)
 
-  def take_over(self) -> None:
+  def take_over(self, ended: threading.Event) -> None:
     """``agreement.Agreements.take_over``'s: the sidecars commit it from now on (once
-    whole; once)."""
+    whole; once); ``ended``: its agreement's end (``Agreement.ended``), which its
+    takeover reads from now on."""
     with self._lock:
       if not self._whole or self._agreed is not None:
         raise StateError(f"step {self._step} at {self._final_dir!r:.200} is "
                          f"{self._phase.value}{', taken over already' if self._agreed else ''}:"
                          " only a whole step is taken over, once")
-      self._agreed = threading.Event()
+      self._agreed = ended
 
   def refuse_takeover(self) -> None:
     """The takeover failed (its committer refused or did not answer): as before it."""
     with self._lock:
       self._agreed = None
-
-  def end_agreement(self) -> None:
-    """``agreement.Agreements``': the sidecars committed or abandoned it; again (or after
-    ``commit``, which ends it too) is nothing."""
-    agreed = self._agreed
-    if agreed is None:
-      raise StateError(f"step {self._step} at {self._final_dir!r:.200} was not taken over")
-    agreed.set()
 
   def start_replication(self, make: Callable[[], Replication]) -> tuple[Replication, bool]:
     """``replication.Replicator``'s: its replication, made by ``make`` if it has none yet

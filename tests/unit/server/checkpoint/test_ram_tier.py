@@ -7,6 +7,7 @@ its view. No server, no processes.
 """
 
 import logging
+import threading
 
 import numpy as np
 import pytest
@@ -227,7 +228,7 @@ def test_status_and_usage_say_what_is_held_and_written(tier, arena):
   # Steps the sidecars took over are committing until their end is known here, written
   # or not, and never counted as uncommitted meanwhile.
   for step in (2, 3):
-    tier.find(item(step)).take_over()
+    tier.find(item(step)).take_over(threading.Event())
   [status] = tier.status()
   assert (list(status.committing), list(status.uncommitted), list(status.writing)) == (
       [2, 3], [], [3])
@@ -313,7 +314,7 @@ def test_queries_find_steps_by_item_tmp_dir_and_state(tier, arena):
   writing = add_step(tier, arena, 2, done=False)
   committed = add_step(tier, arena, 3, committed=True)
   pending = add_step(tier, arena, 4)
-  pending.take_over()  # the sidecars commit it
+  pending.take_over(threading.Event())  # the sidecars commit it
   other = add_step(tier, arena, 5, directory="/ck/other", done=False)
   assert tier.find(item(1)) is uncommitted and tier.find(item(9)) is None
   assert tier.find_tmp(f"{item(2)}.tmp") is writing and tier.find_tmp(item(2)) is None

@@ -6,6 +6,8 @@ to a key reads that row.
 No server, no processes: steps as the sidecar's stage, writer and agreement drive them.
 """
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -80,14 +82,15 @@ def driven(phase: Phase, takeover: Takeover) -> Step:
   staged = phase is not Phase.STAGING
   written = phase in (Phase.WRITTEN, Phase.COMMITTED)
   own = make_step(D, 1, FINAL, shard(), written=written, staged=staged)
+  ended = threading.Event()  # its agreement's end (agreement.Agreement.ended)
   if takeover is not Takeover.NONE:
-    own.take_over()
+    own.take_over(ended)
   if phase is Phase.FAILED:
     own.end_write(error=OSError(28, "No space left on device"))
   if phase is Phase.COMMITTED:
     own.commit()
   if takeover is Takeover.ENDED:
-    own.end_agreement()
+    ended.set()
   return own
 
 
@@ -122,7 +125,7 @@ def test_a_dropped_step_tells_the_committer_its_write_s_end(end, agree):
   """Dropped (aborted, replaced) while taken over: no list names it, and what it tells the
   committer is how its write ended, kept through the drop (its key's outcome)."""
   own = make_step(D, 1, FINAL, shard(), written=False)
-  own.take_over()
+  own.take_over(threading.Event())
   own.drop()
   if end == "written":
     own.end_write([])
