@@ -49,18 +49,19 @@ class Holdings:
 
 
 class Slot:
-  """A Stage's look at the step the RAM tier holds for one item (``RamTier.slot``): the
-  tier's lock is held while the Stage checks it, puts a new one in its place (``hold``)
-  and takes its part, so no abort, eviction or expiry comes between."""
+  """A Stage's look at the step the RAM tier holds for one item (``RamTier.slot``): one
+  Stage at a time checks it, puts a new one in its place (``hold``) and takes its part.
+  An abort, eviction or expiry may come between (the tier's lock is not held): it drops
+  the step, whose ``take`` then raises ``step.StateError``, which the Stage answers."""
 
   def __init__(self, tier: RamTier, final_dir: str):
     self._tier, self._final_dir = tier, final_dir
-    self.step: Step | None = tier._steps.get(final_dir)
+    self.step: Step | None = tier.find(final_dir)
 
   def hold(self, own: Step) -> None:
     """``own`` in the tier for its item: a step held there before is dropped."""
     assert own.final_dir == self._final_dir
-    self._tier._add(own)
+    self._tier.add(own)
     self.step = own
 
 
@@ -71,8 +72,8 @@ class RamTier:
   step's phase and shards are the step's own (``step.Step``, whose lock is taken inside
   this one, by the tier alone): a step enters by :meth:`slot` or :meth:`add` and leaves by
   :meth:`remove`, :meth:`remove_item`, :meth:`drop` or :meth:`expire_uncommitted`, each
-  dropping it (``Step.drop``). A replica enters by :meth:`open_replica` or
-  :meth:`hold_replica` and leaves with its step, or by :meth:`discard_partial`.
+  dropping it (``Step.drop``). A replica enters by :meth:`open_replica` and
+  leaves with its step, or by :meth:`discard_partial`.
   """
 
   def __init__(self, host_id: int, *, uncommitted_s: float,
@@ -80,6 +81,9 @@ class RamTier:
     self.host_id = host_id
     self.uncommitted_s = uncommitted_s
     self._lock = threading.Lock()
+    # One Stage at a time looks at, holds and takes a step (``slot``); taken before the
+    # tier's lock, never under it.
+    self._stage_lock = threading.Lock()
     self._steps: dict[str, Step] = {}  # by committed item directory
     self._replicas: dict[tuple[str, int], Replica] = {}  # by (final_dir, source host)
     # Items committed() was told of, in the order of their commits: True while in the RAM
@@ -178,10 +182,12 @@ class RamTier:
 
   @contextlib.contextmanager
   def slot(self, final_dir: str) -> Iterator[Slot]:
-    """The step held for ``final_dir`` (``Slot.step``; None: none), the tier's lock held
-    for the block: a Stage checks it, holds a new one in its place and takes its part in
-    one go (``save.StepWriter.stage``)."""
-    with self._lock:
+    """The step held for ``final_dir`` (``Slot.step``; None: none), for one Stage at a
+    time: a Stage checks it, holds a new one in its place and takes its part
+    (``save.StepWriter.stage``). The Stages' own lock is held for the block, never the
+    tier's: the Stage's code (the format's numbering among it) runs under no lock of the
+    tier's, and the tier answers meanwhile, the block's own questions included."""
+    with self._stage_lock:
       yield Slot(self, final_dir)
 
   def add(self, own: Step) -> None:
@@ -383,10 +389,8 @@ class RamTier:
     """Drops the committed steps (own shards and replicas) of ``directories`` (resolved);
     returns how many steps went."""
     with self._lock:
-      steps = {(s.directory, s.step) for s in self._steps.values()
-               if s.committed and os.path.realpath(s.directory) in directories}
-      steps |= {(r.directory, r.step) for r in self._replicas.values()
-                if r.committed and os.path.realpath(r.directory) in directories}
+      steps = {(c.directory, c.step) for c in self._committed()
+               if os.path.realpath(c.directory) in directories}
       for directory, step in steps:
         self._drop(directory, step)
     return len(steps)
@@ -406,9 +410,13 @@ class RamTier:
     if group is None:
       return kept
     self._evict_group(group)
-    held = {s.step for s in self._steps.values() if s.directory == directory and s.committed}
-    held |= {r.step for r in self._replicas.values() if r.directory == directory and r.committed}
+    held = {c.step for c in self._committed() if c.directory == directory}
     return [step for step in kept if step in held]
+
+  def _committed(self) -> list[Step | Replica]:
+    """The committed copies held, own shards and replicas; the lock is held."""
+    copies: list[Step | Replica] = [*self._steps.values(), *self._replicas.values()]
+    return [c for c in copies if c.committed]
 
   def _resolve(self, directory: str) -> str:
     resolved = self._resolved.get(directory)
@@ -423,9 +431,8 @@ class RamTier:
     if budget is None:
       return
     size: dict[str, tuple[str, int, int]] = {}  # final_dir -> (directory, step, bytes)
-    copies: list[Step | Replica] = [*self._steps.values(), *self._replicas.values()]
-    for held in copies:
-      if held.committed and self._groups.get(self._resolve(held.directory)) == group:
+    for held in self._committed():
+      if self._groups.get(self._resolve(held.directory)) == group:
         _, _, nbytes = size.get(held.final_dir, (held.directory, held.step, 0))
         size[held.final_dir] = (held.directory, held.step, nbytes + held.nbytes)
     used = 0
@@ -443,12 +450,9 @@ class RamTier:
   def _evict_directory(self, directory: str) -> list[int]:
     keep, budget = self._ram_steps.get(directory, (1, None))
     size: dict[int, int] = {}
-    for s in self._steps.values():
-      if s.directory == directory and s.committed:
-        size[s.step] = size.get(s.step, 0) + s.nbytes
-    for r in self._replicas.values():
-      if r.directory == directory and r.committed:
-        size[r.step] = size.get(r.step, 0) + r.nbytes
+    for c in self._committed():
+      if c.directory == directory:
+        size[c.step] = size.get(c.step, 0) + c.nbytes
     kept, used = [], 0
     for step in sorted(size, reverse=True):
       if len(kept) < keep and (budget is None or used + size[step] <= budget):
@@ -485,11 +489,6 @@ class RamTier:
       if not held:
         self._replicas[(final_dir, source)] = replica
     return replica
-
-  def hold_replica(self, replica: Replica) -> None:
-    """``replica`` held in place of any of its step and source (replace)."""
-    with self._lock:
-      self._replicas[(replica.final_dir, replica.source)] = replica
 
   def add_replica_shard(self, replica: Replica, key: ShardId, data: np.ndarray) -> None:
     """A whole shard of ``replica`` (``Replica.add_shard``)."""

@@ -52,8 +52,9 @@ the RAM tier's yield and its reaper (``drop``) and the replication (``start_repl
 ``staged``). Each step's ``_lock`` guards its phase and its shards; it is a leaf (nothing that
 takes a lock is called while it is held: only the format's numbering of a Stage's shards runs
 under it), so any other lock, the RAM tier's first, may be held around it. The RAM tier takes
-its own lock around every ``take`` and ``drop`` (which steps it holds changes with them:
-``RamTier.slot``). Waiting is on events: ``wait_written``, ``wait_whole``, ``wait_agreed``. What
+its own lock around every ``drop`` (which steps it holds changes with it), and one Stage at
+a time holds, checks and takes a step (``RamTier.slot``, a lock of the Stages' own, taken
+before the tier's). Waiting is on events: ``wait_written``, ``wait_whole``, ``wait_agreed``. What
 is set once at the start (its directory, step, paths, format, numbering) is read-only.
 """
 

@@ -70,14 +70,13 @@ def add_step(tier, arena, step, *, blocks=1, directory=D, committed=False, done=
 
 
 def add_replica(tier, arena, step, source, *, blocks=1, whole=True, committed=False):
-  replica = ram_tier.Replica(D, step, item(step), source)
+  replica = tier.open_replica(D, step, item(step), source)  # held at once: none is whole
   for i in range(blocks):
     replica.add_shard(ShardId(("w",), ((i, i + 1),)), staged(arena))
   if whole:
     replica.mark_whole()
   if committed:
     replica.commit()
-  tier.hold_replica(replica)
 
 
 def replica_of(tier, final_dir, source):
@@ -331,20 +330,40 @@ def test_queries_find_steps_by_item_tmp_dir_and_state(tier, arena):
   assert tier.replica_with(item(3), ShardId(("w",), ((1, 2),))) is None
 
 
-def test_a_slot_checks_and_holds_a_step_in_one_look(tier, arena):
-  """A Stage's look at an item: the tier's lock is held for the block (nothing else looks
-  meanwhile), and a new step held there drops the one before it."""
+def test_a_slot_is_one_stage_at_a_time_and_lends_no_lock_of_the_tier_s(tier, arena):
+  """A Stage's look at an item: one Stage at a time holds a slot, and a new step held
+  there drops the one before it; the tier's own lock is not lent to the Stage's block, so
+  the tier answers meanwhile, the block's own questions to it included (under the tier's
+  lock, a Stage's block that asked the tier deadlocked: the lock is not reentrant)."""
   old = add_step(tier, arena, 1)  # its write ended: a save of the step again replaces it
-  with tier.slot(item(1)) as slot:
-    assert slot.step is old
-    assert tier.holdings(timeout=0) is None  # its lock is held: no one else looks
-    new = make_step(D, 1, item(1), {}, written=False, staged=False)
-    slot.hold(new)
-    assert slot.step is new
+  answers: list = []
+
+  def stage():
+    with tier.slot(item(1)) as slot:
+      answers.append((slot.step, tier.find(item(1)), tier.holdings(timeout=0) is not None))
+      new = make_step(D, 1, item(1), {}, written=False, staged=False)
+      slot.hold(new)
+      answers.append(slot.step)
+
+  asking = threading.Thread(target=stage, daemon=True)
+  asking.start()
+  asking.join(10)
+  assert not asking.is_alive(), "a Stage's block that asked the tier deadlocked"
+  new = answers[1]
+  assert answers[0] == (old, old, True) and new is not old
   assert tier.find(item(1)) is new and old.phase is step_lib.Phase.DROPPED
+  def second():
+    with tier.slot(item(3)):
+      pass
+
   with tier.slot(item(2)) as slot:
     assert slot.step is None
-  assert tier.holdings(timeout=0) is not None
+    other = threading.Thread(target=second, daemon=True)
+    other.start()
+    other.join(0.2)
+    assert other.is_alive()  # the second Stage waits for this one's slot
+  other.join(10)
+  assert not other.is_alive()
 
 
 def test_replicas_are_received_replaced_and_discarded_by_its_commands(tier, arena):
@@ -374,14 +393,6 @@ def test_replicas_are_received_replaced_and_discarded_by_its_commands(tier, aren
   assert tier.committed_items() == {item(1): False}
 
 
-def test_a_replica_held_in_place_replaces_any_of_its_step_and_source(tier, arena):
-  add_replica(tier, arena, 1, source=2)
-  (old,) = tier.replicas()
-  new = ram_tier.Replica(D, 1, item(1), 2)
-  tier.hold_replica(new)
-  assert tier.replicas() == [new] and old is not new
-
-
 def test_a_directory_s_ram_steps_and_group_are_configured_by_command(arena):
   tier = ram_tier.RamTier(0, uncommitted_s=3600.0, group_budget={"alice": 10 * KB}.get)
   # one step, no budget, until configured
@@ -407,8 +418,8 @@ def test_it_answers_what_it_holds_drops_and_releases_a_client_s_directories(tier
       [1, 2, 3, 4], (item(1), item(2), "/ck/other/4/default"), None)
   assert tier.drop([(D, 1), (D, 3)])  # step 3 is not committed: it stays
   assert sorted(s.step for s in tier.steps()) == [2, 3, 4]
-  with tier.slot(item(9)):  # busy: nothing goes
-    assert not tier.drop([(D, 2)], timeout=0)
+  with tier._lock:  # the tier busy (another thread's command): nothing goes
+    assert not tier.drop([(D, 2)], timeout=0) and tier.holdings(timeout=0) is None
   assert tier.release({D}) == 1  # step 2; step 3 is not committed
   assert sorted(s.step for s in tier.steps()) == [3, 4]
 
