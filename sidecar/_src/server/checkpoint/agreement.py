@@ -354,7 +354,7 @@ class Agreements:
     """Ends this host's part as the committer decided (unknown there: abandoned)."""
     own = a.own
     if answer.phase is AgreePhase.COMMITTED and own is not None:
-      if self._tier.holds(own):
+      if self._tier.find(own.final_dir) is own:  # still its part here
         self._tier.mark_committed(a.final_dir)
       self._decide(a, AgreePhase.COMMITTED, committed=answer.committed)
       return
@@ -452,7 +452,6 @@ class Agreements:
     error = None
     written: tuple[ShardRecord, ...] = ()
     phase = own.view().agree if own is not None else AgreePhase.UNKNOWN
-    assert phase is not None
     if phase is AgreePhase.FAILED:
       assert own is not None and own.error is not None
       error = write_lib.write_failure(self._host_id, a.step, a.final_dir, own.error,

@@ -138,12 +138,9 @@ class View:
 _T, _W, _F = AgreePhase.TAKEN_OVER, AgreePhase.WRITTEN, AgreePhase.FAILED
 _LW, _LU, _LR, _LC = Listed.WRITING, Listed.UNCOMMITTED, Listed.RAM, Listed.COMMITTING
 VIEWS: dict[tuple[Phase, Outcome, bool], View] = {
-    (Phase.STAGING, Outcome.NONE, False): View(_T, (_LW,), Reason.BEING_WRITTEN, Word.WRITING),
-    (Phase.STAGING, Outcome.NONE, True): View(_T, (_LC, _LW), Reason.BEING_WRITTEN,
-                                              Word.WRITING),
-    (Phase.STAGED, Outcome.NONE, False): View(_T, (_LW,), Reason.BEING_WRITTEN, Word.WRITING),
-    (Phase.STAGED, Outcome.NONE, True): View(_T, (_LC, _LW), Reason.BEING_WRITTEN,
-                                             Word.WRITING),
+    **{(phase, Outcome.NONE, pending): View(_T, (_LC, _LW) if pending else (_LW,),
+                                            Reason.BEING_WRITTEN, Word.WRITING)
+       for phase in (Phase.STAGING, Phase.STAGED) for pending in (False, True)},
     (Phase.WRITTEN, Outcome.WRITTEN, False): View(_W, (_LU,), Reason.WAITING,
                                                   Word.UNCOMMITTED),
     (Phase.WRITTEN, Outcome.WRITTEN, True): View(_W, (_LC,), Reason.WAITING, Word.WRITING),

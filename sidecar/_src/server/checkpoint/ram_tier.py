@@ -116,11 +116,6 @@ class RamTier:
     with self._lock:
       return next((s for s in self._steps.values() if s.tmp_dir == tmp_dir), None)
 
-  def holds(self, own: Step) -> bool:
-    """Whether ``own`` is still this tier's step of its item."""
-    with self._lock:
-      return self._steps.get(own.final_dir) is own
-
   def steps(self) -> list[Step]:
     """The steps held (a list of its own: its caller reads them outside the lock)."""
     with self._lock:
@@ -149,9 +144,13 @@ class RamTier:
   def copies_of(self, final_dir: str) -> list[Step | Replica]:
     """The step and the replicas held of the item ``final_dir``."""
     with self._lock:
-      own = self._steps.get(final_dir)
-      return [*([own] if own is not None else []),
-              *(r for r in self._replicas.values() if r.final_dir == final_dir)]
+      return self._copies_of(final_dir)
+
+  def _copies_of(self, final_dir: str) -> list[Step | Replica]:
+    """:meth:`copies_of`; the lock is held."""
+    own = self._steps.get(final_dir)
+    return [*([own] if own is not None else []),
+            *(r for r in self._replicas.values() if r.final_dir == final_dir)]
 
   def replica_with(self, final_dir: str, shard: ShardId) -> Replica | None:
     """A whole, committed replica of ``final_dir`` that holds ``shard``, if any."""
@@ -194,14 +193,10 @@ class RamTier:
     """``own`` in the tier, by its ``final_dir``: a step held there before (its write
     ended: a save of the same step again) is dropped."""
     with self._lock:
-      self._add(own)
-
-  def _add(self, own: Step) -> None:
-    """The lock is held."""
-    old = self._steps.get(own.final_dir)
-    self._steps[own.final_dir] = own
-    if old is not None and old is not own:
-      old.drop()
+      old = self._steps.get(own.final_dir)
+      self._steps[own.final_dir] = own
+      if old is not None and old is not own:
+        old.drop()
 
   def remove(self, own: Step, why: BaseException | None = None) -> bool:
     """Drops ``own`` (``Step.drop``, ``why`` to a writer still waiting for its shards) if
@@ -251,12 +246,8 @@ class RamTier:
     """A DCP step's ``manifest``, kept with the step and the replicas held of
     ``final_dir`` (``info`` answers it)."""
     with self._lock:
-      own = self._steps.get(final_dir)
-      if own is not None:
-        own.keep_manifest(manifest)
-      for r in self._replicas.values():
-        if r.final_dir == final_dir:
-          r.keep_manifest(manifest)
+      for held in self._copies_of(final_dir):
+        held.keep_manifest(manifest)
 
   def held(self, directory: str) -> Held:
     """What this host holds of the committed items under ``directory``, per item: its own
@@ -295,12 +286,16 @@ class RamTier:
                   ago, type(s.error).__name__, s.error, freed, extra={"step": s.step})
     return [s.step for s in stale]
 
+  def _listed(self) -> tuple[list[Step], list[Replica]]:
+    """Its steps, and its whole, committed replicas (what ``status``/``usage`` list)."""
+    with self._lock:
+      return list(self._steps.values()), [r for r in self._replicas.values()
+                                          if r.whole and r.committed]
+
   def status(self) -> list[pb.CheckpointStatus]:
     """Per directory: the steps in the RAM tier and those still being written, each in
     the lists its view names (``lifecycle.VIEWS``)."""
-    with self._lock:
-      steps = list(self._steps.values())
-      held = [r for r in self._replicas.values() if r.whole and r.committed]
+    steps, held = self._listed()
     out: dict[str, pb.CheckpointStatus] = {}
     for s in sorted(steps, key=lambda s: s.step):
       entry = out.setdefault(s.directory, pb.CheckpointStatus(directory=s.directory))
@@ -323,9 +318,7 @@ class RamTier:
 
   def usage(self) -> dict[str, int]:
     """Steps and bytes in the RAM tier (own, replicas) and being written, for the metrics."""
-    with self._lock:
-      steps = list(self._steps.values())
-      held = [r for r in self._replicas.values() if r.whole and r.committed]
+    steps, held = self._listed()
     own = [s for s in steps if s.committed]
     writing = [s for s in steps if s.view().writing]
     return {"ram_steps": len(own), "ram_bytes": sum(s.nbytes for s in own),

@@ -376,15 +376,10 @@ class Step(StepCopy):
       self._move(Phase.DROPPED, legal=(Phase.STAGING, Phase.STAGED, Phase.WRITTEN,
                                        Phase.FAILED, Phase.COMMITTED))
       ended = self._written_event.is_set()
-      staging = not self._whole and not ended
       self._staged.clear()
-      replication = self._replication
-    if replication is not None:
-      replication.cancel()
-    if staging:
-      self._incoming.put(why if why is not None else errors.ClosedError(
-          f"the save of step {self._step} was aborted"))
-    elif ended:  # no writer reads them any more
+    self.stop(why if why is not None else errors.ClosedError(
+        f"the save of step {self._step} was aborted"))  # (its writer, if still staging)
+    if ended:  # no writer reads them any more
       _drain(self._incoming)
     self._whole_event.set()
 
