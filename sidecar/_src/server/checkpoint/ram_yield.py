@@ -46,14 +46,6 @@ class Copy:
     return self.state is Reason.DURABLE
 
 
-def _state(held: Step | Replica) -> Reason:
-  """A step's reason is its view's (``lifecycle.VIEWS``); a replica is durable once
-  committed."""
-  if isinstance(held, Replica):
-    return Reason.DURABLE if held.committed else Reason.ON_ITS_WAY
-  return held.view().copy
-
-
 def copies(holdings: Holdings) -> list[Copy]:
   """The copies a RAM tier holds (``RamTier.holdings``): durable ones oldest commit first,
   then the others by step."""
@@ -62,8 +54,10 @@ def copies(holdings: Holdings) -> list[Copy]:
   for one in held:
     entry = merged.setdefault((one.directory, one.step), [0, Reason.DURABLE, one.final_dir])
     entry[0] += one.nbytes
-    if entry[1] is Reason.DURABLE:  # durable once every part is
-      entry[1] = _state(one)
+    if entry[1] is Reason.DURABLE:  # durable once every part is: a step's reason is its
+      # view's (``lifecycle.VIEWS``), a replica is durable once committed
+      entry[1] = (one.view().copy if isinstance(one, Step)
+                  else Reason.DURABLE if one.committed else Reason.ON_ITS_WAY)
   commits = {final_dir: i for i, final_dir in enumerate(holdings.commits)}
   order = sorted(merged, key=lambda k: (merged[k][1] is not Reason.DURABLE,
                                         commits.get(merged[k][2], len(commits)), k[1]))
