@@ -137,7 +137,7 @@ class View:
 # Every outside view of a step, by (phase, outcome, pending): the one table.
 _T, _W, _F = AgreePhase.TAKEN_OVER, AgreePhase.WRITTEN, AgreePhase.FAILED
 _LW, _LU, _LR, _LC = Listed.WRITING, Listed.UNCOMMITTED, Listed.RAM, Listed.COMMITTING
-VIEWS: dict[tuple[Phase, Outcome, bool], View] = {
+VIEWS = {
     **{(phase, Outcome.NONE, pending): View(_T, (_LC, _LW) if pending else (_LW,),
                                             Reason.BEING_WRITTEN, Word.WRITING)
        for phase in (Phase.STAGING, Phase.STAGED) for pending in (False, True)},
