@@ -158,12 +158,6 @@ class RamTier:
       return next((r for r in self._replicas.values() if r.final_dir == final_dir
                    and r.whole and r.committed and shard in r.shards), None)
 
-  def committed_items(self) -> dict[str, bool]:
-    """The items it was told are committed, in the order of their commits: True while in
-    the tier, False once evicted (a replica arriving late learns its step's fate here)."""
-    with self._lock:
-      return dict(self._committed_dirs)
-
   def holdings(self, *, timeout: float = -1) -> Holdings | None:
     """What it holds now (``Holdings``, taken under its lock and read outside it: a
     replica's fields as they are then); None where the lock is busy for ``timeout`` s
@@ -225,6 +219,7 @@ class RamTier:
     (``Step.commit``), and a takeover of them ends with it (committed, its end is known);
     a step not written here yet (another save of it, staged again since) is left as it
     is."""
+    budgets = self._budgets()
     with self._lock:
       own = self._steps.get(final_dir)
       held = [r for r in self._replicas.values() if r.final_dir == final_dir]
@@ -240,7 +235,7 @@ class RamTier:
         r.commit()
       if own is not None:
         own.commit()  # (a takeover pending ends with it)
-      return self._evict(own.directory if own is not None else held[0].directory)
+      return self._evict(own.directory if own is not None else held[0].directory, budgets)
 
   def keep_manifest(self, final_dir: str, manifest: Manifest) -> None:
     """A DCP step's ``manifest``, kept with the step and the replicas held of
@@ -361,8 +356,9 @@ class RamTier:
     """Keeps the newest ``ram_steps`` committed steps of ``directory`` within the budget,
     counting this host's own shards and the replicas it holds, then the newest committed
     steps of its group within the group's budget; returns the kept steps of ``directory``."""
+    budgets = self._budgets()
     with self._lock:
-      return self._evict(directory)
+      return self._evict(directory, budgets)
 
   def drop(self, steps: Iterable[tuple[str, int]], *, timeout: float = -1) -> bool:
     """Forgets each committed step's own shards and replicas here, by (directory, step)
@@ -396,13 +392,19 @@ class RamTier:
       self._steps.clear()
       self._replicas.clear()
 
-  def _evict(self, directory: str) -> list[int]:
-    """:meth:`evict`; the lock is held."""
+  def _budgets(self) -> dict[str, int | None]:
+    """Each group's budget now (``group_budget``: the pool's code, run outside the lock)."""
+    with self._lock:
+      groups = set(self._groups.values())
+    return {group: self._group_budget(group) for group in groups}
+
+  def _evict(self, directory: str, budgets: dict[str, int | None]) -> list[int]:
+    """:meth:`evict`, each group within its budget in ``budgets``; the lock is held."""
     kept = self._evict_directory(directory)
     group = self._groups.get(self._resolve(directory))
     if group is None:
       return kept
-    self._evict_group(group)
+    self._evict_group(group, budgets.get(group))
     held = {c.step for c in self._committed() if c.directory == directory}
     return [step for step in kept if step in held]
 
@@ -417,10 +419,10 @@ class RamTier:
       resolved = self._resolved[directory] = os.path.realpath(directory)
     return resolved
 
-  def _evict_group(self, group: str) -> None:
+  def _evict_group(self, group: str, budget: int | None) -> None:
     """Keeps the newest committed steps (by commit) of ``group``'s directories within its
-    budget, own shards and replicas counted together; drops the rest. The lock is held."""
-    budget = self._group_budget(group)
+    ``budget`` (None: no bound), own shards and replicas counted together; drops the rest.
+    The lock is held."""
     if budget is None:
       return
     size: dict[str, tuple[str, int, int]] = {}  # final_dir -> (directory, step, bytes)
@@ -512,6 +514,7 @@ class RamTier:
     and is committed (then kept within the budget) or dropped as its step's commit went
     meanwhile. Whether it is held (not aborted or evicted while it came)."""
     final_dir, source = replica.final_dir, replica.source
+    budgets = self._budgets()
     with self._lock:
       replica.mark_whole()
       held = self._replicas.get((final_dir, source))
@@ -526,7 +529,7 @@ class RamTier:
       if fate is not None:  # its step committed before the replica was whole
         replica.commit()
         if fate:
-          self._evict(replica.directory)
+          self._evict(replica.directory, budgets)
         else:
           del self._replicas[(final_dir, source)]
     return True

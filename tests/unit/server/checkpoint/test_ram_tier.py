@@ -100,7 +100,7 @@ def test_the_newest_ram_steps_stay_and_the_rest_go_back_to_the_arena(tier, arena
   assert [s.phase for s in tier.steps()] == [step_lib.Phase.COMMITTED] * 2
   assert used_blocks(arena) == 2
   assert sorted(s.step for s in tier.steps()) == [2, 3]
-  assert tier.committed_items() == {item(1): False, item(2): True, item(3): True}
+  assert tier.holdings().commits == (item(1), item(2), item(3))  # step 1's: gone since
 
 
 def test_a_directory_never_opened_keeps_one_step(tier, arena):
@@ -132,7 +132,7 @@ def test_replicas_count_toward_the_budget_and_leave_with_their_step(tier, arena)
   add_replica(tier, arena, 3, source=3)
   assert commit(tier, arena, 3) == [3]  # 3 blocks; with step 2's 2 it would not fit
   assert sorted((r.final_dir, r.source) for r in tier.replicas()) == [(item(3), 2), (item(3), 3)]
-  assert tier.committed_items() == {item(1): False, item(2): False, item(3): True}
+  assert tier.holdings().commits == (item(1), item(2), item(3))
   assert used_blocks(arena) == 3
 
 
@@ -146,7 +146,7 @@ def test_a_step_held_only_as_a_replica_is_committed_and_kept(tier, arena):
 
 def test_a_step_this_host_never_held_is_not_recorded(tier):
   assert tier.mark_committed(item(5)) == []
-  assert tier.committed_items() == {}
+  assert tier.holdings().commits == ()
 
 
 def test_an_evicted_step_is_marked_gone_for_its_late_replicas(tier, arena):
@@ -156,10 +156,14 @@ def test_an_evicted_step_is_marked_gone_for_its_late_replicas(tier, arena):
   tier.configure(D, 1, None)
   commit(tier, arena, 1)
   commit(tier, arena, 2)
-  assert tier.committed_items()[item(1)] is False
   tier.drop([(D, 2)])  # forget: max_to_keep deleted it
-  assert tier.committed_items()[item(2)] is False
   assert tier.steps() == [] and used_blocks(arena) == 0
+  for step in (1, 2):  # evicted, then forgotten: each late replica is dropped on arrival
+    late = tier.open_replica(D, step, item(step), 3)
+    tier.add_replica_shard(late, ShardId(("w",), ((0, 1),)), staged(arena))
+    assert tier.replica_whole(late) and late.committed and tier.replicas() == []
+    del late  # its block goes back with it: nothing holds it
+    assert used_blocks(arena) == 0
 
 
 def test_drop_cancels_the_replication_of_a_dropped_step(tier, arena):
@@ -235,6 +239,29 @@ def test_status_and_usage_say_what_is_held_and_written(tier, arena):
   assert list(tier.status()[0].committing) == [3]
 
 
+def test_a_group_budget_that_reads_the_tier_back_does_not_deadlock(arena):
+  """The tier runs no caller's code under its lock: the pool's budget of a group (its
+  quotas) may read the tier (here its group's use) while a commit evicts within it; under
+  the lock it deadlocked (the lock is not reentrant)."""
+  asked: list[tuple[int, int]] = []
+
+  def budget(group):
+    asked.append(tier.group_use().get(group, (0, 0)))
+    return 1 * KB
+
+  tier = ram_tier.RamTier(0, uncommitted_s=3600.0, group_budget=budget)
+  tier.set_group(D, "alice")
+  tier.configure(D, 5, None)
+  kept: list = []
+  committing = threading.Thread(
+      target=lambda: kept.append([commit(tier, arena, s) for s in (1, 2)]), daemon=True)
+  committing.start()
+  committing.join(10)
+  assert not committing.is_alive(), "a commit deadlocked on the group's budget"
+  assert kept == [[[1], [2]]] and asked  # the newest commit stays within 1 KB
+  tier.clear()
+
+
 def test_a_groups_directories_keep_their_newest_commits_within_its_budget(arena):
   """A pool tenant's directories are one group: its newest commits (not its highest step
   numbers) stay within its budget, whichever directory they are in, replicas counted; a
@@ -255,7 +282,7 @@ def test_a_groups_directories_keep_their_newest_commits_within_its_budget(arena)
         ("/ck/alice2", 5), (other, 9), (D, 2)]
     assert tier.group_use() == {"alice": (0, 3 * KB), "bob": (0, 4 * KB)}
     assert commit(tier, arena, 3, blocks=4) == [2]  # larger than the budget: never kept
-    assert tier.committed_items()[item(3)] is False
+    assert tier.find(item(3)) is None and item(3) in tier.holdings().commits
     assert used_blocks(arena) == 3 + 4
     add_step(tier, arena, 4, committed=False, done=False)  # a save in progress
     assert tier.group_use()["alice"] == (1, 3 * KB)
@@ -389,7 +416,7 @@ def test_replicas_are_received_replaced_and_discarded_by_its_commands(tier, aren
   late = tier.open_replica(D, 1, item(1), 3)
   tier.add_replica_shard(late, key, staged(arena))
   assert tier.replica_whole(late) and tier.replicas() == [] and late.committed
-  assert tier.committed_items() == {item(1): False}
+  assert tier.holdings().commits == (item(1),)
 
 
 def test_a_directory_s_ram_steps_and_group_are_configured_by_command(arena):
