@@ -15,8 +15,8 @@ ended with a failure or a signal is told how to resume: "re-run the same command
 resume from step N", N the newest step committed in its directory (:func:`resume_from`).
 
 :func:`poll` is the one place that reads what a sidecar holds, in the sidecar's own words
-for a step (``server/checkpoint/step.py``'s table, read backwards from the Status lists a
-step is in: ``step.drain_of``): the steps it took over and has not yet seen committed or
+for a step (``server/checkpoint/lifecycle.py``'s table, read backwards from the Status lists
+a step is in: ``lifecycle.drain_of``): the steps it took over and has not yet seen committed or
 abandoned (``CheckpointStatus.committing``) are waited for as :data:`WRITING`.
 """
 
@@ -29,11 +29,11 @@ import time
 from collections.abc import Callable, Collection, Mapping
 
 from sidecar._src.core import errors
-from sidecar._src.server.checkpoint import step as step_lib
+from sidecar._src.server.checkpoint import lifecycle
 
-WRITING = step_lib.WRITING  # staged there, still being written, or taken over, not committed
-UNCOMMITTED = step_lib.UNCOMMITTED  # written there, its commit never came
-COMMITTED = step_lib.COMMITTED  # in its RAM tier, committed
+WRITING = lifecycle.Word.WRITING  # staged there, still being written, or taken over, not committed
+UNCOMMITTED = lifecycle.Word.UNCOMMITTED  # written there, its commit never came
+COMMITTED = lifecycle.Word.COMMITTED  # in its RAM tier, committed
 POLL_S = 0.1
 SETTLE_S = 1.0
 STATUS_TIMEOUT_S = 5.0
@@ -80,11 +80,10 @@ def poll(host: int, address: str, timeout: float, *, token: str | None = None
   from sidecar._src.controller import status as status_lib
   lists: dict[SidecarStep, set[str]] = {}
   for c in status_lib.fetch(address, timeout=timeout, token=token).checkpoints:
-    for name in (step_lib.RAM_LIST, step_lib.UNCOMMITTED_LIST, step_lib.WRITING_LIST,
-                 step_lib.COMMITTING_LIST):
+    for name in lifecycle.Listed:
       for s in getattr(c, name):
         lists.setdefault(SidecarStep(int(s), host, c.directory), set()).add(name)
-  return {s: step_lib.drain_of(frozenset(names)) for s, names in lists.items()}
+  return {s: lifecycle.drain_of(frozenset(names)) for s, names in lists.items()}
 
 
 def wait(sidecars: Mapping[int, str], *, grace: float, say: Callable[[str], None],

@@ -92,6 +92,9 @@ class Agreement:
     self.owners: frozenset[str] = frozenset()  # the sessions that staged this host's part
     self.states: dict[int, HostState] = {}
     self.decision: AgreeState | None = None
+    # Set with the decision (``_decide``), or by its part's commit here (``Step.commit``):
+    # what its part's takeover reads as ENDED (``step.Step.takeover``).
+    self.ended = threading.Event()
     self.aborted: BaseException | None = None  # the trainers aborted it
     self.cond = threading.Condition()
     self.created = time.monotonic()
@@ -143,7 +146,7 @@ class Agreements:
       if mine:  # its own writers' plan has the lead's data position (a host's may not)
         a.plan = plan
       a.own, a.tmp_dir, a.owners = own, own.tmp_dir, own.owners
-      own.take_over()
+      own.take_over(a.ended)
       a.cond.notify_all()
     log.info("step %d: taken over here (%d hosts, committed by host %d)", a.step,
              len(plan.hosts), plan.committer, extra={"step": a.step})
@@ -299,10 +302,9 @@ class Agreements:
       a.decided_at = time.monotonic()
       own, a.own = a.own, None  # its arena blocks go with the RAM tier's copy
       a.cond.notify_all()
-    if own is not None:
-      if phase is AgreePhase.ABANDONED and own.trainers_alive() is False:
-        self._tier.remove(own)  # nobody will abort it: its blocks go back now
-      own.end_agreement()
+    if own is not None and phase is AgreePhase.ABANDONED and own.trainers_alive() is False:
+      self._tier.remove(own)  # nobody will abort it: its blocks go back now
+    a.ended.set()  # its part's takeover ends (step.Takeover.ENDED)
 
   # ---- the other hosts ---------------------------------------------------
 
@@ -352,7 +354,7 @@ class Agreements:
     """Ends this host's part as the committer decided (unknown there: abandoned)."""
     own = a.own
     if answer.phase is AgreePhase.COMMITTED and own is not None:
-      if self._tier.holds(own):
+      if self._tier.find(own.final_dir) is own:  # still its part here
         self._tier.mark_committed(a.final_dir)
       self._decide(a, AgreePhase.COMMITTED, committed=answer.committed)
       return
@@ -450,7 +452,6 @@ class Agreements:
     error = None
     written: tuple[ShardRecord, ...] = ()
     phase = own.view().agree if own is not None else AgreePhase.UNKNOWN
-    assert phase is not None
     if phase is AgreePhase.FAILED:
       assert own is not None and own.error is not None
       error = write_lib.write_failure(self._host_id, a.step, a.final_dir, own.error,

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from sidecar._src.core import errors
 from sidecar._src.server.checkpoint import ram_tier, write as write_lib
-from sidecar._src.server.checkpoint.step import Phase, Takeover
+from sidecar._src.server.checkpoint.step import Takeover
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -74,10 +74,10 @@ class Begins:
     for gone in [b for b in self._begun.values() if not self._in_flight(b)]:
       del self._begun[gone.tmp]  # (forget_ended, under the lock this Begin holds)
     other = self._begun.get(tmp)
-    busy = self._tier.steps(
-        lambda s: s.format == fmt and pathlib.Path(s.tmp_dir).is_relative_to(tmp)
-        and (s.phase in (Phase.STAGING, Phase.STAGED) or s.commit_gate.under_way
-             or (owner in s.owners and s.phase is Phase.WRITTEN)))
+    busy = [s for s in self._tier.steps()
+            if s.format == fmt and pathlib.Path(s.tmp_dir).is_relative_to(tmp)
+            and (s.view().writing or s.commit_gate.under_way
+                 or (owner in s.owners and s.view().awaits_commit))]
     another = "another session (another trainer process or Controller)"
     if other is not None and other.owner != owner:
       by = another
@@ -95,16 +95,16 @@ class Begins:
     """Whether the save ``begun`` may still stage, write or commit: its trainer is there,
     and it staged within ``STAGE_TIMEOUT_S`` of its Begin and its step is not committed,
     failed nor dropped since (where its trainer is not known, while being written)."""
-    mine = self._tier.steps(lambda s: s.started >= begun.at and s.step == begun.step
-                            and pathlib.Path(s.tmp_dir).is_relative_to(begun.tmp))
+    mine = [s for s in self._tier.steps() if s.started >= begun.at and s.step == begun.step
+            and pathlib.Path(s.tmp_dir).is_relative_to(begun.tmp)]
     if any(s.takeover is Takeover.PENDING for s in mine):  # committed here, trainer or not
       return True
     if begun.alive is not None and not begun.alive():
       return False
     if not mine:
       return time.monotonic() - begun.at < write_lib.STAGE_TIMEOUT_S
-    return any(s.phase in (Phase.STAGING, Phase.STAGED)
-               or (begun.alive is not None and s.phase is Phase.WRITTEN) for s in mine)
+    return any(s.view().writing or (begun.alive is not None and s.view().awaits_commit)
+               for s in mine)
 
   def forget_ended(self) -> None:
     """Forgets the begun saves that are no longer in flight (their trainers gone)."""
@@ -127,8 +127,8 @@ class Begins:
       begun = self._begun.get(tmp)
       if begun is not None and self._in_flight(begun):
         return True
-    held = self._tier.steps(lambda s: pathlib.Path(s.tmp_dir).is_relative_to(tmp))
-    return any(s.commit_gate.under_way or (s.phase is Phase.WRITTEN and s.takeover is
+    held = [s for s in self._tier.steps() if pathlib.Path(s.tmp_dir).is_relative_to(tmp)]
+    return any(s.commit_gate.under_way or (s.view().awaits_commit and s.takeover is
                                            Takeover.NONE and s.trainers_alive() is not False)
                for s in held)
 

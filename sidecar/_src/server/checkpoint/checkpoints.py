@@ -401,7 +401,7 @@ class Checkpoints:
     from the pool). Their blocks go back as their views die; the durable steps stay.
     Returns how many steps went."""
     mine = {os.path.realpath(d) for d in self.opened_by(client)}
-    return self.tier.release(lambda d: d in mine)
+    return self.tier.release(mine)
 
   def drop_tenant_ram(self, tenant: str) -> tuple[list[ram_yield.Copy], list[ram_yield.Copy]]:
     """Drops the durable RAM-tier copies of the directories ``tenant`` opened here;
@@ -421,7 +421,7 @@ class Checkpoints:
     """Drops a step from this host's RAM tier (its own shards and the replicas held)."""
     self._path(directory, "directory")
     step = roots_lib.as_int(step, "step")
-    self.tier.drop(directory, step)
+    self.tier.drop([(directory, step)])
 
   # ---- restore -----------------------------------------------------------
 

@@ -1,14 +1,14 @@
 """The copies of a step's shards beside the step's own object (``step.Step``): what
-every copy is (:class:`StepCopy`, its read-only identity, which a step and a replica
-share), this host's shards on their way to its replica hosts (:class:`Replication`), and
-the shards another sidecar sent here (:class:`Replica`, which ``ram_tier.RamTier`` holds).
+every copy held here is (:class:`StepCopy`, which a step and a replica share), this
+host's shards on their way to its replica hosts (:class:`Replication`), and the shards
+another sidecar sent here (:class:`Replica`, which ``ram_tier.RamTier`` holds).
 """
 
 from __future__ import annotations
 
 import threading
 import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -16,12 +16,19 @@ from sidecar._src.ckptfmt.records import Manifest, ReplicaTarget, Replicated, Sh
 
 
 class StepCopy:
-  """A step's copy on this host, read-only: which step of which checkpoint directory, and
-  its committed item directory (``final_dir``: its key in the RAM tier). A ``step.Step``
-  (this host's own shards) and a :class:`Replica` (another host's) are both."""
+  """A step's copy held on this host: which step of which checkpoint directory, its
+  committed item directory (``final_dir``: its key in the RAM tier), read-only; its
+  shards' bytes by id (``shards``, a read-only view of its subclass's one map) and their
+  size; a DCP step's manifest once told. A ``step.Step`` (this host's own shards) and a
+  :class:`Replica` (another host's) are both; each says in its own way whether it is
+  ``committed``."""
 
-  def __init__(self, directory: str, step: int, final_dir: str):
+  def __init__(self, directory: str, step: int, final_dir: str,
+               shards: Mapping[ShardId, np.ndarray]):
     self._directory, self._step, self._final_dir = directory, step, final_dir
+    self._shard_view = shards
+    self._nbytes = 0  # its shards' bytes (its subclass counts them as they come)
+    self._manifest: Manifest | None = None  # a DCP step's, told at its commit
 
   @property
   def directory(self) -> str:
@@ -34,6 +41,23 @@ class StepCopy:
   @property
   def final_dir(self) -> str:
     return self._final_dir
+
+  @property
+  def shards(self) -> Mapping[ShardId, np.ndarray]:
+    """Its shards' bytes by id (a read-only view: no copy)."""
+    return self._shard_view
+
+  @property
+  def nbytes(self) -> int:
+    return self._nbytes
+
+  @property
+  def manifest(self) -> Manifest | None:
+    return self._manifest
+
+  def keep_manifest(self, manifest: Manifest) -> None:
+    """A DCP step's manifest, kept with this copy (``info`` answers it)."""
+    self._manifest = manifest
 
 
 class Replication:
@@ -94,19 +118,16 @@ class Replica(StepCopy):
 
   def __init__(self, directory: str, step: int, final_dir: str, source: int, *,
                replaces: Replica | None = None):
-    super().__init__(directory, step, final_dir)
+    self._shards: dict[ShardId, np.ndarray] = {}  # its whole shards
+    super().__init__(directory, step, final_dir, types.MappingProxyType(self._shards))
     self._source = source
-    self._shards: dict[ShardId, np.ndarray] = {}
-    self._view = types.MappingProxyType(self._shards)
     # Shards arriving inline, in pieces: [block, bytes received so far].
     self._partial: dict[ShardId, list] = {}
-    self._nbytes = 0
     self._whole = False  # the source sent everything
     self._committed = False
     # A whole replica held of the same step and source, which this one (sent again)
     # replaces once whole.
     self._replaces = replaces
-    self._manifest: Manifest | None = None  # a DCP step's, told at its commit
 
   def __repr__(self) -> str:
     return f"Replica({self._final_dir!r}, source={self._source}, whole={self._whole})"
@@ -116,18 +137,9 @@ class Replica(StepCopy):
     return self._source
 
   @property
-  def shards(self) -> Mapping[ShardId, np.ndarray]:
-    """Its whole shards' bytes by id (a read-only view)."""
-    return self._view
-
-  @property
   def partial(self) -> int:
     """How many shards are still arriving in pieces."""
     return len(self._partial)
-
-  @property
-  def nbytes(self) -> int:
-    return self._nbytes
 
   @property
   def whole(self) -> bool:
@@ -141,22 +153,19 @@ class Replica(StepCopy):
   def replaces(self) -> Replica | None:
     return self._replaces
 
-  @property
-  def manifest(self) -> Manifest | None:
-    return self._manifest
-
   def add_shard(self, key: ShardId, data: np.ndarray) -> None:
     """A whole shard (checked by its sender's crc32c), in place of one of the same id."""
     old = self._shards.get(key)
     self._nbytes += data.nbytes - (old.nbytes if old is not None else 0)
     self._shards[key] = data
 
-  def piece_block(self, key: ShardId, make: Callable[[], np.ndarray]) -> list:
-    """The block the shard ``key`` is assembled in from its pieces (``make`` makes it at
-    its first piece), with the bytes received so far: ``[block, received]``."""
+  def piece_block(self, key: ShardId, block: np.ndarray | None = None) -> list | None:
+    """The block the shard ``key`` is assembled in from its pieces, with the bytes
+    received so far: ``[block, received]``; ``block`` is it at its first piece (None:
+    None then, the caller makes one)."""
     entry = self._partial.get(key)
-    if entry is None:
-      entry = self._partial[key] = [make(), 0]
+    if entry is None and block is not None:
+      entry = self._partial[key] = [block, 0]
     return entry
 
   def piece_received(self, key: ShardId, entry: list, nbytes: int) -> bool:
@@ -181,7 +190,3 @@ class Replica(StepCopy):
   def commit(self) -> None:
     """Its step is committed (before or after it is whole)."""
     self._committed = True
-
-  def keep_manifest(self, manifest: Manifest) -> None:
-    """A DCP step's manifest, kept with it (``info`` answers it)."""
-    self._manifest = manifest

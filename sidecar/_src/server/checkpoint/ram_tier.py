@@ -6,8 +6,9 @@ sidecar sent here). :class:`RamTier` keeps them under its own lock, behind queri
 step by item or tmp directory, the commits pending in a directory, the steps in flight,
 what it holds) and commands (receive, replace or discard a replica, configure a
 directory's RAM steps), and is the one place a step enters (``slot``, ``add``) and leaves
-(``remove``, ``drop``, ``expire_uncommitted``) it: no caller takes its lock, and it takes
-it outside a step's. It reads a step's ``view()`` (``step.VIEWS``), never how the step
+(``remove``, ``drop``, ``expire_uncommitted``) it: no caller takes its lock, no caller's
+code runs under it (it answers with lists and values its callers read outside it), and it
+takes it outside a step's. It reads a step's ``view()`` (``lifecycle.VIEWS``), never how the step
 keeps its state.
 ``committed`` keeps the newest steps of a directory within its ``ram_steps`` and
 ``ram_budget`` (own shards and replicas counted together), and the newest committed steps of
@@ -23,8 +24,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
-from typing import TypeVar
+from collections.abc import Callable, Collection, Iterable, Iterator
 
 import numpy as np
 
@@ -32,11 +32,10 @@ from sidecar._src.arena import shm
 from sidecar._src.ckptfmt.records import Held, Manifest, ShardId
 from sidecar._src.core import errors
 from sidecar._src.server.checkpoint.copies import Replica
-from sidecar._src.server.checkpoint.step import Phase, Step, Takeover
+from sidecar._src.server.checkpoint.step import Step, Takeover
 from sidecar._src.wire.protocol import pb
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -50,18 +49,19 @@ class Holdings:
 
 
 class Slot:
-  """A Stage's look at the step the RAM tier holds for one item (``RamTier.slot``): the
-  tier's lock is held while the Stage checks it, puts a new one in its place (``hold``)
-  and takes its part, so no abort, eviction or expiry comes between."""
+  """A Stage's look at the step the RAM tier holds for one item (``RamTier.slot``): one
+  Stage at a time checks it, puts a new one in its place (``hold``) and takes its part.
+  An abort, eviction or expiry may come between (the tier's lock is not held): it drops
+  the step, whose ``take`` then raises ``step.StateError``, which the Stage answers."""
 
   def __init__(self, tier: RamTier, final_dir: str):
     self._tier, self._final_dir = tier, final_dir
-    self.step: Step | None = tier._steps.get(final_dir)
+    self.step: Step | None = tier.find(final_dir)
 
   def hold(self, own: Step) -> None:
     """``own`` in the tier for its item: a step held there before is dropped."""
     assert own.final_dir == self._final_dir
-    self._tier._add(own)
+    self._tier.add(own)
     self.step = own
 
 
@@ -72,8 +72,8 @@ class RamTier:
   step's phase and shards are the step's own (``step.Step``, whose lock is taken inside
   this one, by the tier alone): a step enters by :meth:`slot` or :meth:`add` and leaves by
   :meth:`remove`, :meth:`remove_item`, :meth:`drop` or :meth:`expire_uncommitted`, each
-  dropping it (``Step.drop``). A replica enters by :meth:`open_replica` or
-  :meth:`hold_replica` and leaves with its step, or by :meth:`discard_partial`.
+  dropping it (``Step.drop``). A replica enters by :meth:`open_replica` and
+  leaves with its step, or by :meth:`discard_partial`.
   """
 
   def __init__(self, host_id: int, *, uncommitted_s: float,
@@ -81,6 +81,9 @@ class RamTier:
     self.host_id = host_id
     self.uncommitted_s = uncommitted_s
     self._lock = threading.Lock()
+    # One Stage at a time looks at, holds and takes a step (``slot``); taken before the
+    # tier's lock, never under it.
+    self._stage_lock = threading.Lock()
     self._steps: dict[str, Step] = {}  # by committed item directory
     self._replicas: dict[tuple[str, int], Replica] = {}  # by (final_dir, source host)
     # Items committed() was told of, in the order of their commits: True while in the RAM
@@ -113,42 +116,41 @@ class RamTier:
     with self._lock:
       return next((s for s in self._steps.values() if s.tmp_dir == tmp_dir), None)
 
-  def holds(self, own: Step) -> bool:
-    """Whether ``own`` is still this tier's step of its item."""
+  def steps(self) -> list[Step]:
+    """The steps held (a list of its own: its caller reads them outside the lock)."""
     with self._lock:
-      return self._steps.get(own.final_dir) is own
+      return list(self._steps.values())
 
-  def steps(self, where: Callable[[Step], bool] = lambda s: True) -> list[Step]:
-    """The steps held that ``where`` accepts (a list of its own)."""
+  def replicas(self) -> list[Replica]:
+    """The replicas held (a list of its own)."""
     with self._lock:
-      return [s for s in self._steps.values() if where(s)]
-
-  def replicas(self, where: Callable[[Replica], bool] = lambda r: True) -> list[Replica]:
-    """The replicas held that ``where`` accepts (a list of its own)."""
-    with self._lock:
-      return [r for r in self._replicas.values() if where(r)]
+      return list(self._replicas.values())
 
   def pending_commits(self, directory: str) -> list[Step]:
     """The steps of ``directory`` taken over here whose end is not known yet."""
-    return self.steps(lambda s: s.directory == directory
-                      and s.takeover is Takeover.PENDING)
+    return [s for s in self.steps()
+            if s.directory == directory and s.takeover is Takeover.PENDING]
 
   def in_flight(self, directory: str | None = None) -> list[Step]:
     """The steps (of ``directory``; None: any) being written, or taken over and not yet
     ended (``View.in_flight``)."""
-    return self.steps(lambda s: (directory is None or s.directory == directory)
-                      and s.view().in_flight)
+    return [s for s in self.steps()
+            if (directory is None or s.directory == directory) and s.view().in_flight]
 
   def writing(self) -> list[Step]:
     """The steps whose write goes on (Status's ``writing``)."""
-    return self.steps(lambda s: s.view().writing)
+    return [s for s in self.steps() if s.view().writing]
 
   def copies_of(self, final_dir: str) -> list[Step | Replica]:
     """The step and the replicas held of the item ``final_dir``."""
     with self._lock:
-      own = self._steps.get(final_dir)
-      return [*([own] if own is not None else []),
-              *(r for r in self._replicas.values() if r.final_dir == final_dir)]
+      return self._copies_of(final_dir)
+
+  def _copies_of(self, final_dir: str) -> list[Step | Replica]:
+    """:meth:`copies_of`; the lock is held."""
+    own = self._steps.get(final_dir)
+    return [*([own] if own is not None else []),
+            *(r for r in self._replicas.values() if r.final_dir == final_dir)]
 
   def replica_with(self, final_dir: str, shard: ShardId) -> Replica | None:
     """A whole, committed replica of ``final_dir`` that holds ``shard``, if any."""
@@ -156,55 +158,39 @@ class RamTier:
       return next((r for r in self._replicas.values() if r.final_dir == final_dir
                    and r.whole and r.committed and shard in r.shards), None)
 
-  def committed_items(self) -> dict[str, bool]:
-    """The items it was told are committed, in the order of their commits: True while in
-    the tier, False once evicted (a replica arriving late learns its step's fate here)."""
-    with self._lock:
-      return dict(self._committed_dirs)
-
-  def ram_steps_of(self, directory: str) -> tuple[int, int | None]:
-    """``directory``'s RAM steps and budget (``configure``; one step, no budget unless)."""
-    with self._lock:
-      return self._ram_steps.get(directory, (1, None))
-
-  def look(self, read: Callable[[Holdings], T], *, timeout: float = -1) -> T | None:
-    """``read`` of what it holds (``Holdings``), under its lock (a replica's fields are
-    read as they are); None where the lock is busy for ``timeout`` s (-1: waits)."""
+  def holdings(self, *, timeout: float = -1) -> Holdings | None:
+    """What it holds now (``Holdings``, taken under its lock and read outside it: a
+    replica's fields as they are then); None where the lock is busy for ``timeout`` s
+    (-1: waits)."""
     if not self._lock.acquire(timeout=timeout):
       return None
     try:
-      return read(self._holdings())
+      groups = dict(self._groups)
+      return Holdings(tuple(self._steps.values()), tuple(self._replicas.values()),
+                      tuple(self._committed_dirs), lambda d: groups.get(os.path.realpath(d)))
     finally:
       self._lock.release()
-
-  def _holdings(self) -> Holdings:
-    """The lock is held."""
-    groups = dict(self._groups)
-    return Holdings(tuple(self._steps.values()), tuple(self._replicas.values()),
-                    tuple(self._committed_dirs), lambda d: groups.get(os.path.realpath(d)))
 
   # ---- steps --------------------------------------------------------------
 
   @contextlib.contextmanager
   def slot(self, final_dir: str) -> Iterator[Slot]:
-    """The step held for ``final_dir`` (``Slot.step``; None: none), the tier's lock held
-    for the block: a Stage checks it, holds a new one in its place and takes its part in
-    one go (``save.StepWriter.stage``)."""
-    with self._lock:
+    """The step held for ``final_dir`` (``Slot.step``; None: none), for one Stage at a
+    time: a Stage checks it, holds a new one in its place and takes its part
+    (``save.StepWriter.stage``). The Stages' own lock is held for the block, never the
+    tier's: the Stage's code (the format's numbering among it) runs under no lock of the
+    tier's, and the tier answers meanwhile, the block's own questions included."""
+    with self._stage_lock:
       yield Slot(self, final_dir)
 
   def add(self, own: Step) -> None:
     """``own`` in the tier, by its ``final_dir``: a step held there before (its write
     ended: a save of the same step again) is dropped."""
     with self._lock:
-      self._add(own)
-
-  def _add(self, own: Step) -> None:
-    """The lock is held."""
-    old = self._steps.get(own.final_dir)
-    self._steps[own.final_dir] = own
-    if old is not None and old is not own:
-      old.drop()
+      old = self._steps.get(own.final_dir)
+      self._steps[own.final_dir] = own
+      if old is not None and old is not own:
+        old.drop()
 
   def remove(self, own: Step, why: BaseException | None = None) -> bool:
     """Drops ``own`` (``Step.drop``, ``why`` to a writer still waiting for its shards) if
@@ -230,13 +216,14 @@ class RamTier:
   def mark_committed(self, final_dir: str) -> list[int]:
     """Marks a step (own shards and replicas) committed; evicts steps beyond the budget.
     Returns the kept steps. This host's own shards are marked once written here
-    (``Step.commit``), and a takeover of them ends (``Step.end_agreement``: committed, its
-    end is known); a step not written here yet (another save of it, staged again since) is
-    left as it is."""
+    (``Step.commit``), and a takeover of them ends with it (committed, its end is known);
+    a step not written here yet (another save of it, staged again since) is left as it
+    is."""
+    budgets = self._budgets()
     with self._lock:
       own = self._steps.get(final_dir)
       held = [r for r in self._replicas.values() if r.final_dir == final_dir]
-      if own is not None and own.phase not in (Phase.WRITTEN, Phase.COMMITTED):
+      if own is not None and not own.view().written:
         log.info("step %d of %s: told it is committed while %s here; left as it is",
                  own.step, own.directory, own.phase.value, extra={"step": own.step})
         own = None
@@ -247,21 +234,15 @@ class RamTier:
       for r in held:
         r.commit()
       if own is not None:
-        own.commit()
-        if own.takeover is Takeover.PENDING:
-          own.end_agreement()
-      return self._evict(own.directory if own is not None else held[0].directory)
+        own.commit()  # (a takeover pending ends with it)
+      return self._evict(own.directory if own is not None else held[0].directory, budgets)
 
   def keep_manifest(self, final_dir: str, manifest: Manifest) -> None:
     """A DCP step's ``manifest``, kept with the step and the replicas held of
     ``final_dir`` (``info`` answers it)."""
     with self._lock:
-      own = self._steps.get(final_dir)
-      if own is not None:
-        own.keep_manifest(manifest)
-      for r in self._replicas.values():
-        if r.final_dir == final_dir:
-          r.keep_manifest(manifest)
+      for held in self._copies_of(final_dir):
+        held.keep_manifest(manifest)
 
   def held(self, directory: str) -> Held:
     """What this host holds of the committed items under ``directory``, per item: its own
@@ -300,12 +281,16 @@ class RamTier:
                   ago, type(s.error).__name__, s.error, freed, extra={"step": s.step})
     return [s.step for s in stale]
 
+  def _listed(self) -> tuple[list[Step], list[Replica]]:
+    """Its steps, and its whole, committed replicas (what ``status``/``usage`` list)."""
+    with self._lock:
+      return list(self._steps.values()), [r for r in self._replicas.values()
+                                          if r.whole and r.committed]
+
   def status(self) -> list[pb.CheckpointStatus]:
     """Per directory: the steps in the RAM tier and those still being written, each in
-    the lists its view names (``step.VIEWS``)."""
-    with self._lock:
-      steps = list(self._steps.values())
-      held = [r for r in self._replicas.values() if r.whole and r.committed]
+    the lists its view names (``lifecycle.VIEWS``)."""
+    steps, held = self._listed()
     out: dict[str, pb.CheckpointStatus] = {}
     for s in sorted(steps, key=lambda s: s.step):
       entry = out.setdefault(s.directory, pb.CheckpointStatus(directory=s.directory))
@@ -328,9 +313,7 @@ class RamTier:
 
   def usage(self) -> dict[str, int]:
     """Steps and bytes in the RAM tier (own, replicas) and being written, for the metrics."""
-    with self._lock:
-      steps = list(self._steps.values())
-      held = [r for r in self._replicas.values() if r.whole and r.committed]
+    steps, held = self._listed()
     own = [s for s in steps if s.committed]
     writing = [s for s in steps if s.view().writing]
     return {"ram_steps": len(own), "ram_bytes": sum(s.nbytes for s in own),
@@ -373,37 +356,30 @@ class RamTier:
     """Keeps the newest ``ram_steps`` committed steps of ``directory`` within the budget,
     counting this host's own shards and the replicas it holds, then the newest committed
     steps of its group within the group's budget; returns the kept steps of ``directory``."""
+    budgets = self._budgets()
     with self._lock:
-      return self._evict(directory)
+      return self._evict(directory, budgets)
 
-  def drop(self, directory: str, step: int) -> None:
-    """Forgets the committed step's own shards and replicas here; their arena blocks go
-    back as their views die."""
-    with self._lock:
-      self._drop(directory, step)
-
-  def give_way(self, choose: Callable[[Holdings], Iterable[tuple[str, int]]], *,
-               timeout: float = -1) -> bool:
-    """Drops the committed steps ``choose`` picks, as :meth:`drop`, from what it holds
-    (``Holdings``), in one look; False where its lock is busy for ``timeout`` s (-1:
-    waits), then nothing is chosen."""
+  def drop(self, steps: Iterable[tuple[str, int]], *, timeout: float = -1) -> bool:
+    """Forgets each committed step's own shards and replicas here, by (directory, step)
+    (a step committed no more, staged again since, stays); their arena blocks go back as
+    their views die. False where its lock is busy for ``timeout`` s (-1: waits), then
+    nothing goes."""
     if not self._lock.acquire(timeout=timeout):
       return False
     try:
-      for directory, step in list(choose(self._holdings())):
+      for directory, step in steps:
         self._drop(directory, step)
     finally:
       self._lock.release()
     return True
 
-  def release(self, match: Callable[[str], bool]) -> int:
-    """Drops the committed steps (own shards and replicas) of the directories ``match``
-    accepts (resolved); returns how many steps went."""
+  def release(self, directories: Collection[str]) -> int:
+    """Drops the committed steps (own shards and replicas) of ``directories`` (resolved);
+    returns how many steps went."""
     with self._lock:
-      steps = {(s.directory, s.step) for s in self._steps.values()
-               if s.committed and match(os.path.realpath(s.directory))}
-      steps |= {(r.directory, r.step) for r in self._replicas.values()
-                if r.committed and match(os.path.realpath(r.directory))}
+      steps = {(c.directory, c.step) for c in self._committed()
+               if os.path.realpath(c.directory) in directories}
       for directory, step in steps:
         self._drop(directory, step)
     return len(steps)
@@ -416,16 +392,26 @@ class RamTier:
       self._steps.clear()
       self._replicas.clear()
 
-  def _evict(self, directory: str) -> list[int]:
-    """:meth:`evict`; the lock is held."""
+  def _budgets(self) -> dict[str, int | None]:
+    """Each group's budget now (``group_budget``: the pool's code, run outside the lock)."""
+    with self._lock:
+      groups = set(self._groups.values())
+    return {group: self._group_budget(group) for group in groups}
+
+  def _evict(self, directory: str, budgets: dict[str, int | None]) -> list[int]:
+    """:meth:`evict`, each group within its budget in ``budgets``; the lock is held."""
     kept = self._evict_directory(directory)
     group = self._groups.get(self._resolve(directory))
     if group is None:
       return kept
-    self._evict_group(group)
-    held = {s.step for s in self._steps.values() if s.directory == directory and s.committed}
-    held |= {r.step for r in self._replicas.values() if r.directory == directory and r.committed}
+    self._evict_group(group, budgets.get(group))
+    held = {c.step for c in self._committed() if c.directory == directory}
     return [step for step in kept if step in held]
+
+  def _committed(self) -> list[Step | Replica]:
+    """The committed copies held, own shards and replicas; the lock is held."""
+    copies: list[Step | Replica] = [*self._steps.values(), *self._replicas.values()]
+    return [c for c in copies if c.committed]
 
   def _resolve(self, directory: str) -> str:
     resolved = self._resolved.get(directory)
@@ -433,16 +419,15 @@ class RamTier:
       resolved = self._resolved[directory] = os.path.realpath(directory)
     return resolved
 
-  def _evict_group(self, group: str) -> None:
+  def _evict_group(self, group: str, budget: int | None) -> None:
     """Keeps the newest committed steps (by commit) of ``group``'s directories within its
-    budget, own shards and replicas counted together; drops the rest. The lock is held."""
-    budget = self._group_budget(group)
+    ``budget`` (None: no bound), own shards and replicas counted together; drops the rest.
+    The lock is held."""
     if budget is None:
       return
     size: dict[str, tuple[str, int, int]] = {}  # final_dir -> (directory, step, bytes)
-    copies: list[Step | Replica] = [*self._steps.values(), *self._replicas.values()]
-    for held in copies:
-      if held.committed and self._groups.get(self._resolve(held.directory)) == group:
+    for held in self._committed():
+      if self._groups.get(self._resolve(held.directory)) == group:
         _, _, nbytes = size.get(held.final_dir, (held.directory, held.step, 0))
         size[held.final_dir] = (held.directory, held.step, nbytes + held.nbytes)
     used = 0
@@ -460,12 +445,9 @@ class RamTier:
   def _evict_directory(self, directory: str) -> list[int]:
     keep, budget = self._ram_steps.get(directory, (1, None))
     size: dict[int, int] = {}
-    for s in self._steps.values():
-      if s.directory == directory and s.committed:
-        size[s.step] = size.get(s.step, 0) + s.nbytes
-    for r in self._replicas.values():
-      if r.directory == directory and r.committed:
-        size[r.step] = size.get(r.step, 0) + r.nbytes
+    for c in self._committed():
+      if c.directory == directory:
+        size[c.step] = size.get(c.step, 0) + c.nbytes
     kept, used = [], 0
     for step in sorted(size, reverse=True):
       if len(kept) < keep and (budget is None or used + size[step] <= budget):
@@ -503,11 +485,6 @@ class RamTier:
         self._replicas[(final_dir, source)] = replica
     return replica
 
-  def hold_replica(self, replica: Replica) -> None:
-    """``replica`` held in place of any of its step and source (replace)."""
-    with self._lock:
-      self._replicas[(replica.final_dir, replica.source)] = replica
-
   def add_replica_shard(self, replica: Replica, key: ShardId, data: np.ndarray) -> None:
     """A whole shard of ``replica`` (``Replica.add_shard``)."""
     with self._lock:
@@ -515,9 +492,16 @@ class RamTier:
 
   def replica_piece(self, replica: Replica, key: ShardId, make: Callable[[], np.ndarray]
                     ) -> list:
-    """``Replica.piece_block``."""
+    """``Replica.piece_block``: ``make`` makes the block at its first piece outside the
+    lock (an arena's allocation, which may ask the tier to give way)."""
     with self._lock:
-      return replica.piece_block(key, make)
+      entry = replica.piece_block(key)
+    if entry is None:
+      block = make()
+      with self._lock:
+        entry = replica.piece_block(key, block)
+    assert entry is not None
+    return entry
 
   def replica_piece_received(self, replica: Replica, key: ShardId, entry: list,
                              nbytes: int) -> bool:
@@ -530,6 +514,7 @@ class RamTier:
     and is committed (then kept within the budget) or dropped as its step's commit went
     meanwhile. Whether it is held (not aborted or evicted while it came)."""
     final_dir, source = replica.final_dir, replica.source
+    budgets = self._budgets()
     with self._lock:
       replica.mark_whole()
       held = self._replicas.get((final_dir, source))
@@ -544,7 +529,7 @@ class RamTier:
       if fate is not None:  # its step committed before the replica was whole
         replica.commit()
         if fate:
-          self._evict(replica.directory)
+          self._evict(replica.directory, budgets)
         else:
           del self._replicas[(final_dir, source)]
     return True

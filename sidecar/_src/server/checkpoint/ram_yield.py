@@ -21,12 +21,14 @@ from collections.abc import Callable
 from sidecar._src.arena import shm
 from sidecar._src.server import metrics as metrics_lib
 from sidecar._src.server.checkpoint.copies import Replica
+from sidecar._src.server.checkpoint.lifecycle import Reason
 from sidecar._src.server.checkpoint.ram_tier import Holdings, RamTier
-from sidecar._src.server.checkpoint.step import DURABLE, Step
+from sidecar._src.server.checkpoint.step import Step
 
 log = logging.getLogger(__name__)
-# How long ``reclaim`` and ``describe`` wait for the RAM tier's lock: the allocation that
-# asks may run under it (a replica's part received into the arena), and then gets nothing.
+# How long ``reclaim`` and ``describe`` wait for the RAM tier's lock: an allocation that
+# asks for room gets nothing rather than waiting behind a busy tier (none runs under it:
+# the tier makes a replica's block outside its lock).
 LOCK_WAIT_S = 0.2
 
 
@@ -37,32 +39,27 @@ class Copy:
   step: int
   nbytes: int
   group: str | None  # the pool tenant whose directory it is (None: no pool, or none)
-  state: str  # "durable", or why not: "being written", "waiting for its commit", ...
+  state: Reason  # durable, or why not: being written, waiting for its commit, ...
 
   @property
   def durable(self) -> bool:
-    return self.state == DURABLE
-
-
-def _state(held: Step | Replica) -> str:
-  """A step's reason is its view's (``step.VIEWS``); a replica is durable once committed."""
-  if isinstance(held, Replica):
-    return DURABLE if held.committed else "a replica on its way"
-  return held.view().copy
+    return self.state is Reason.DURABLE
 
 
 def copies(holdings: Holdings) -> list[Copy]:
-  """The copies a RAM tier holds (``RamTier.look``, ``give_way``): durable ones oldest commit first,
+  """The copies a RAM tier holds (``RamTier.holdings``): durable ones oldest commit first,
   then the others by step."""
   merged: dict[tuple[str, int], list] = {}  # (directory, step) -> [bytes, state, final_dir]
   held: list[Step | Replica] = [*holdings.steps, *holdings.replicas]
   for one in held:
-    entry = merged.setdefault((one.directory, one.step), [0, DURABLE, one.final_dir])
+    entry = merged.setdefault((one.directory, one.step), [0, Reason.DURABLE, one.final_dir])
     entry[0] += one.nbytes
-    if entry[1] == DURABLE:  # durable once every part is
-      entry[1] = _state(one)
+    if entry[1] is Reason.DURABLE:  # durable once every part is: a step's reason is its
+      # view's (``lifecycle.VIEWS``), a replica is durable once committed
+      entry[1] = (one.view().copy if isinstance(one, Step)
+                  else Reason.DURABLE if one.committed else Reason.ON_ITS_WAY)
   commits = {final_dir: i for i, final_dir in enumerate(holdings.commits)}
-  order = sorted(merged, key=lambda k: (merged[k][1] != DURABLE,
+  order = sorted(merged, key=lambda k: (merged[k][1] is not Reason.DURABLE,
                                         commits.get(merged[k][2], len(commits)), k[1]))
   return [Copy(directory, step, merged[directory, step][0], holdings.group_of(directory),
                merged[directory, step][1])
@@ -77,7 +74,7 @@ def describe(held: list[Copy], visible: Callable[[str], bool] | None = None) -> 
   """
   if not held:
     return "no RAM-tier steps"
-  parts: dict[tuple[str, str], list[Copy]] = {}
+  parts: dict[tuple[str, Reason], list[Copy]] = {}
   hidden: dict[bool, int] = {}  # durable or not -> bytes of directories not shown
   for c in held:
     if visible is None or visible(c.directory):
@@ -88,7 +85,7 @@ def describe(held: list[Copy], visible: Callable[[str], bool] | None = None) -> 
   for (directory, state), group in parts.items():
     steps = ", ".join(str(c.step) for c in group)
     size = shm.format_size(sum(c.nbytes for c in group))
-    why = ("durable, still read or held elsewhere" if state == "durable"
+    why = ("durable, still read or held elsewhere" if state is Reason.DURABLE
            else f"{state}: not durable yet, kept")
     text.append(f"{directory} step{'s' if len(group) > 1 else ''} {steps} ({size}, {why})")
   for durable, nbytes in sorted(hidden.items()):
@@ -118,28 +115,11 @@ class Yielding:
     then those of no tenant, then other tenants' where beyond their guarantee.
     """
     tier = self._tier
-    gone: list[Copy] = []
-
-    def choose(held: Holdings) -> list[tuple[str, int]]:
-      durable = [c for c in copies(held) if c.durable]
-      if tenant is not None:
-        durable = ([c for c in durable if c.group == tenant]
-                   + [c for c in durable if c.group is None]
-                   + [c for c in durable if c.group not in (None, tenant)])
-      spare: dict[str, int] = {}
-      for c in durable:
-        if sum(g.nbytes for g in gone) >= nbytes:
-          break
-        if tenant is not None and c.group not in (None, tenant):
-          left = spare[c.group] if c.group in spare else self.spare(c.group)
-          if left < c.nbytes:  # within its guarantee: it stays
-            spare[c.group] = left
-            continue
-          spare[c.group] = left - c.nbytes
-        gone.append(c)
-      return [(c.directory, c.step) for c in gone]
-
-    if nbytes <= 0 or not tier.give_way(choose, timeout=LOCK_WAIT_S):
+    held = tier.holdings(timeout=LOCK_WAIT_S) if nbytes > 0 else None
+    if held is None:
+      return 0
+    gone = self._choose(copies(held), nbytes, tenant)  # outside the tier's lock: spare()
+    if not tier.drop([(c.directory, c.step) for c in gone], timeout=LOCK_WAIT_S):
       return 0
     for c in gone:
       self._metrics.ram_tier_evicted("room", c.nbytes)
@@ -149,17 +129,35 @@ class Yielding:
                shm.format_size(nbytes), shm.format_size(c.nbytes), extra={"step": c.step})
     return sum(c.nbytes for c in gone)
 
+  def _choose(self, held: list[Copy], nbytes: int, tenant: str | None) -> list[Copy]:
+    """The durable copies of ``held`` that :meth:`reclaim` lets go of, in its order."""
+    gone: list[Copy] = []
+    durable = [c for c in held if c.durable]
+    if tenant is not None:
+      durable = ([c for c in durable if c.group == tenant]
+                 + [c for c in durable if c.group is None]
+                 + [c for c in durable if c.group not in (None, tenant)])
+    spare: dict[str, int] = {}
+    for c in durable:
+      if sum(g.nbytes for g in gone) >= nbytes:
+        break
+      if tenant is not None and c.group not in (None, tenant):
+        left = spare[c.group] if c.group in spare else self.spare(c.group)
+        if left < c.nbytes:  # within its guarantee: it stays
+          spare[c.group] = left
+          continue
+        spare[c.group] = left - c.nbytes
+      gone.append(c)
+    return gone
+
   def drop(self, match: Callable[[str], bool]) -> tuple[list[Copy], list[Copy]]:
     """Drops the durable copies of the directories ``match`` accepts (resolved paths);
     returns those dropped and those kept (not durable yet)."""
     tier = self._tier
-    mine: list[Copy] = []
-
-    def choose(held: Holdings) -> list[tuple[str, int]]:
-      mine.extend(c for c in copies(held) if match(os.path.realpath(c.directory)))
-      return [(c.directory, c.step) for c in mine if c.durable]
-
-    tier.give_way(choose)
+    held = tier.holdings()
+    assert held is not None  # (it waits for the lock)
+    mine = [c for c in copies(held) if match(os.path.realpath(c.directory))]
+    tier.drop([(c.directory, c.step) for c in mine if c.durable])
     dropped = [c for c in mine if c.durable]
     kept = [c for c in mine if not c.durable]
     for c in dropped:
@@ -176,7 +174,7 @@ class Yielding:
   def describe(self, visible: Callable[[str], bool] | None = None) -> str:
     """What the RAM tier holds, for an error about a full arena; ``visible``: as
     :func:`describe`'s."""
-    held = self._tier.look(copies, timeout=LOCK_WAIT_S)
+    held = self._tier.holdings(timeout=LOCK_WAIT_S)
     if held is None:
       return "RAM-tier steps: (busy, not listed)"
-    return describe(held, visible)
+    return describe(copies(held), visible)

@@ -222,7 +222,7 @@ class Replicator:
       return
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:  # until our own part of the step is committed
-      if self._tier.steps(lambda s: s.step == step and s.committed):
+      if any(s.step == step and s.committed for s in self._tier.steps()):
         break
       time.sleep(0.02)
     faults.fault("replicate", step)

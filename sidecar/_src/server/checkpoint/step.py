@@ -4,7 +4,7 @@ A :class:`Step` is the sidecar's one object for a step it staged: its shards (ea
 ``records.Staged``, the shard's record with its bytes beside it: the RAM tier's copy),
 its write's outcome, whether the sidecars took it over, and its replication. Its state
 changes only through the methods below, each called from one module; nothing else
-assigns it. Its :class:`Phase`::
+assigns it. Its phase (``lifecycle.Phase``)::
 
     STAGING --take(last)--> STAGED --end_write(records)--> WRITTEN --commit()--> COMMITTED
        |                      |                               |                      |
@@ -18,7 +18,8 @@ assigns it. Its :class:`Phase`::
   records as written (crc32c set), or FAILED with the write's error. A step dropped
   meanwhile (aborted mid-write) stays DROPPED: the outcome is only recorded.
 - ``commit`` (``ram_tier.RamTier.mark_committed``): WRITTEN to COMMITTED, once; again is
-  nothing. It does not end an agreement (the tier ends it, explicitly, beside).
+  nothing. A takeover pending ends with it, in the same transition (committed, its end is
+  known).
 - ``drop`` (``ram_tier.RamTier``: evicted, expired, aborted, abandoned, replaced, a write
   failed mid-stage with its trainers gone): its bytes go back to the arena (as their last
   views die), its replication is cancelled, and a writer still waiting for shards is
@@ -26,12 +27,13 @@ assigns it. Its :class:`Phase`::
 
 Beside the phase, three things run along with it:
 
-- **its takeover** (:class:`Takeover`, ``agreement.Agreements``): NONE, then PENDING by
+- **its takeover** (``lifecycle.Takeover``, ``agreement.Agreements``): NONE, then PENDING by
   ``take_over`` once STAGED with its writers' plans (NONE again by ``refuse_takeover`` if
-  the committer refused it), ENDED by ``end_agreement`` once the sidecars committed or
-  abandoned it (``agreement.Agreements``), or once it is committed here
-  (``ram_tier.RamTier.mark_committed``), whether or not its trainers are there. Only the
-  step holds whether it was taken over.
+  the committer refused it), ENDED once its agreement's end is known here: the
+  agreement's ``ended`` event, which ``take_over`` hands it (the step keeps no copy of
+  it), set as the sidecars commit or abandon it (``agreement.Agreements._decide``) or by
+  ``commit`` once it is committed here (``ram_tier.RamTier.mark_committed``), whether or
+  not its trainers are there. Only the step holds whether it was taken over.
 - **replication** (``replication.Replicator``): ``start_replication`` once STAGED (once
   per step), its ``copies.Replication`` ending ``succeeded`` or ``failed``, cancelled by
   ``drop`` and ``stop``.
@@ -40,41 +42,24 @@ Beside the phase, three things run along with it:
 A transition from a phase it does not leave raises :class:`StateError` (an internal
 error: a caller's bug, never a client's).
 
-Outside this module, code reads a step's ``phase`` and its ``takeover``, never how they
-are kept: :data:`VIEWS` projects each (phase, takeover) to every outside view of it
-(:class:`View`: what this host tells the committer, the Status lists, the RAM tier's
-reason to keep it, ``sidecar drain``'s word), and :meth:`Step.view` reads it::
-
-    phase      takeover  agree       Status lists           RAM tier's reason        drain
-    STAGING    NONE      TAKEN_OVER  writing                being written            writing
-    STAGING    PENDING   TAKEN_OVER  committing, writing    being written            writing
-    STAGED     (as STAGING)
-    WRITTEN    NONE      WRITTEN     uncommitted            waiting for its commit   uncommitted
-    WRITTEN    PENDING   WRITTEN     committing             waiting for its commit   writing
-    FAILED     NONE      FAILED      uncommitted            its save failed          uncommitted
-    FAILED     PENDING   FAILED      committing             its save failed          writing
-    COMMITTED  NONE      WRITTEN     ram_steps              durable                  committed
-    COMMITTED  PENDING   WRITTEN     committing, ram_steps  durable                  writing
-    DROPPED    any       (its write) -                      being written            -
-
-ENDED reads as NONE. A dropped step is in no list (the RAM tier holds it no more); what it
-tells the committer is its write's end, kept through the drop (``Step.view``).
+Outside this module, code reads a step's ``phase``, its ``takeover`` and its ``view()``,
+never how they are kept: ``lifecycle.VIEWS`` projects each (phase, write's outcome,
+takeover) to every outside view of it, and :meth:`Step.view` reads it.
 
 Threads: the gRPC handlers (``take``, ``commit``, ``drop``), the step's writer (``arrivals``,
-``count_written``, ``end_write``), the agreement's threads (``take_over``, ``end_agreement``),
+``count_written``, ``end_write``), the agreement's threads (``take_over``, ``refuse_takeover``),
 the RAM tier's yield and its reaper (``drop``) and the replication (``start_replication``,
 ``staged``). Each step's ``_lock`` guards its phase and its shards; it is a leaf (nothing that
 takes a lock is called while it is held: only the format's numbering of a Stage's shards runs
 under it), so any other lock, the RAM tier's first, may be held around it. The RAM tier takes
-its own lock around every ``take`` and ``drop`` (which steps it holds changes with them:
-``RamTier.slot``). Waiting is on events: ``wait_written``, ``wait_whole``, ``wait_agreed``. What
+its own lock around every ``drop`` (which steps it holds changes with it), and one Stage at
+a time holds, checks and takes a step (``RamTier.slot``, a lock of the Stages' own, taken
+before the tier's). Waiting is on events: ``wait_written``, ``wait_whole``, ``wait_agreed``. What
 is set once at the start (its directory, step, paths, format, numbering) is read-only.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import queue
 import threading
 import time
@@ -84,121 +69,12 @@ from typing import Any
 import numpy as np
 
 from sidecar._src.ckptfmt.format import Numbering
-from sidecar._src.ckptfmt.records import (
-  AgreePhase,
-  CommitPlan,
-  Manifest,
-  ShardId,
-  ShardRecord,
-  Staged,
-)
+from sidecar._src.ckptfmt.records import CommitPlan, ShardId, ShardRecord, Staged
 from sidecar._src.ckptfmt.spec import LeafSpec
 from sidecar._src.core import errors
 from sidecar._src.server.checkpoint.commit_gate import CommitGate
 from sidecar._src.server.checkpoint.copies import Replication, StepCopy
-
-
-class Phase(enum.Enum):
-  """Where a :class:`Step` is (the module's docstring draws the transitions)."""
-  STAGING = "staging"  # shards arrive; the writer writes them as they come
-  STAGED = "staged"  # every writer sent its last part: no more shards come
-  WRITTEN = "written"  # written in its tmp directory; waits for its commit
-  FAILED = "failed"  # its write failed (or was stopped)
-  COMMITTED = "committed"  # committed on storage: the RAM tier's copy is durable
-  DROPPED = "dropped"  # gone from the RAM tier: its bytes went back
-
-
-class Takeover(enum.Enum):
-  """Whether the sidecars took a :class:`Step` over (``agreement.py``), beside its phase."""
-  NONE = "not taken over"  # its trainers commit it (or nobody does)
-  PENDING = "taken over"  # the sidecars commit it; its end is not known here yet
-  ENDED = "agreed"  # the sidecars committed or abandoned it, or it is committed here
-
-
-# The Status lists a step is in (``CheckpointStatus``'s fields).
-WRITING_LIST, UNCOMMITTED_LIST = "writing", "uncommitted"
-RAM_LIST, COMMITTING_LIST = "ram_steps", "committing"
-# What ``sidecar drain`` (tools/drain.py) calls a step a sidecar lists.
-WRITING, UNCOMMITTED, COMMITTED = "writing", "uncommitted", "committed"
-# Why the RAM tier keeps a copy (``ram_yield.Copy.state``): durable, or why not.
-DURABLE, FAILED_COPY = "durable", "its save failed"
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class View:
-  """A step in one (phase, takeover), as each reader outside this module sees it.
-
-  Attributes:
-    agree: what this host tells the committer of its part (``agreement.py``); None: as its
-      write ended (a dropped step: WRITTEN, FAILED, or TAKEN_OVER while still written).
-    lists: the Status lists it is in (``RamTier.status``).
-    copy: why the RAM tier keeps it (``ram_yield``): durable, or why not.
-    drain: what ``sidecar drain`` calls it ("" where no list names it).
-  """
-  agree: AgreePhase | None
-  lists: tuple[str, ...]
-  copy: str
-  drain: str
-
-  @property
-  def in_flight(self) -> bool:
-    """Being written, or taken over with its end not known: a stop waits for it, an
-    ``open`` keeps its directory, ``sidecar drain`` says "writing"."""
-    return self.drain == WRITING
-
-  @property
-  def writing(self) -> bool:
-    """Its write goes on (Status's ``writing``): its bytes are counted as being written."""
-    return WRITING_LIST in self.lists
-
-  @property
-  def uncommitted(self) -> bool:
-    """Written (or failed) and not committed, its end not awaited: it expires."""
-    return UNCOMMITTED_LIST in self.lists
-
-  @property
-  def saving(self) -> bool:
-    """A save in progress (staged, being written or waiting for its commit): counted
-    against a pool tenant's saves."""
-    return self.copy not in (DURABLE, FAILED_COPY)
-
-
-_W, _U, _R, _C = WRITING_LIST, UNCOMMITTED_LIST, RAM_LIST, COMMITTING_LIST
-# Per phase: what it tells the committer, why the RAM tier keeps it, and its Status lists
-# with drain's word, not taken over (or its agreement ended), then taken over, pending.
-_ROWS: dict[Phase, tuple[AgreePhase | None, str, tuple[tuple[str, ...], str],
-                         tuple[tuple[str, ...], str]]] = {
-    Phase.STAGING: (AgreePhase.TAKEN_OVER, "being written", ((_W,), WRITING),
-                    ((_C, _W), WRITING)),
-    Phase.STAGED: (AgreePhase.TAKEN_OVER, "being written", ((_W,), WRITING),
-                   ((_C, _W), WRITING)),
-    Phase.WRITTEN: (AgreePhase.WRITTEN, "waiting for its commit", ((_U,), UNCOMMITTED),
-                    ((_C,), WRITING)),
-    Phase.FAILED: (AgreePhase.FAILED, FAILED_COPY, ((_U,), UNCOMMITTED), ((_C,), WRITING)),
-    Phase.COMMITTED: (AgreePhase.WRITTEN, DURABLE, ((_R,), COMMITTED), ((_C, _R), WRITING)),
-    Phase.DROPPED: (None, "being written", ((), ""), ((), "")),  # the tier holds it no more
-}
-
-
-def _row(phase: Phase, takeover: Takeover) -> View:
-  agree, copy, plain, pending = _ROWS[phase]
-  lists, drain = pending if takeover is Takeover.PENDING else plain
-  return View(agree, lists, copy, drain)
-
-
-# Every outside view of a step, by (phase, takeover): the one table.
-VIEWS = {
-    (phase, takeover): _row(phase, takeover) for phase in Phase for takeover in Takeover}
-
-
-def drain_of(lists: frozenset[str]) -> str:
-  """What ``sidecar drain`` calls a step that a sidecar's Status lists in ``lists``
-  (:data:`VIEWS` read backwards)."""
-  return _DRAIN_OF.get(lists, WRITING if COMMITTING_LIST in lists or WRITING_LIST in lists
-                       else UNCOMMITTED if UNCOMMITTED_LIST in lists else COMMITTED)
-
-
-_DRAIN_OF = {frozenset(v.lists): v.drain for v in VIEWS.values() if v.lists}
+from sidecar._src.server.checkpoint.lifecycle import VIEWS, Outcome, Phase, Takeover, View
 
 
 class StateError(errors.SidecarError, RuntimeError):
@@ -240,16 +116,15 @@ class Step(StepCopy):
   def __init__(self, directory: str, step: int, final_dir: str, *, tmp_dir: str = "",
                writers: int = 1, format: str = "orbax",  # noqa: A002 - the wire's field
                numbering: Numbering | None = None):
-    super().__init__(directory, step, final_dir)
+    # Its shards, each record with its bytes (the one map of the RAM tier's copy), and its
+    # view by id (``shards``: the dict is never replaced).
+    self._staged: dict[ShardId, Staged] = {}
+    super().__init__(directory, step, final_dir, _Bytes(self._staged))
     self._tmp_dir, self._writers, self._format = tmp_dir, max(writers, 1), format
     self._numbering = numbering
     self._started = time.monotonic()
     self._lock = threading.Lock()
     self._phase = Phase.STAGING
-    # Its shards, each record with its bytes (the one map of the RAM tier's copy).
-    self._staged: dict[ShardId, Staged] = {}
-    self._bytes = _Bytes(self._staged)  # its view by id (the dict is never replaced)
-    self._nbytes = 0
     # Shards on their way to the writer (as the numbering made them); None once all are.
     self._incoming: queue.SimpleQueue = queue.SimpleQueue()
     self._lasts = 0  # the writers that sent their last part
@@ -266,12 +141,13 @@ class Step(StepCopy):
     self._written_event = threading.Event()
     self._written_records: list[ShardRecord] = []
     self._error: BaseException | None = None
+    self._outcome = Outcome.NONE  # how its write ended (kept through a drop)
     self._written = 0  # bytes written so far
     self._finished: float | None = None  # time.monotonic() when its write ended
-    # Set (not None) once taken over; set once the sidecars committed or abandoned it.
+    # Its agreement's end (``Agreement.ended``) once taken over: set by the agreement once
+    # the sidecars committed or abandoned it, or by its commit here.
     self._agreed: threading.Event | None = None
     self._replication: Replication | None = None
-    self._manifest: Manifest | None = None  # a DCP step's, told at its commit
     self.commit_gate = CommitGate(step, final_dir)  # its commit and its abort, one at a time
 
   def __repr__(self) -> str:
@@ -314,17 +190,9 @@ class Step(StepCopy):
     return Takeover.ENDED if agreed.is_set() else Takeover.PENDING
 
   def view(self) -> View:
-    """How the outside sees it now (:data:`VIEWS`); a dropped step tells the committer
-    its write's end, kept through the drop."""
+    """How the outside sees it now (``lifecycle.VIEWS``)."""
     with self._lock:
-      phase, takeover = self._phase, self.takeover
-      ended, failed = self._written_event.is_set(), self._error is not None
-    view = VIEWS[(phase, takeover)]
-    if view.agree is None:
-      agree = (AgreePhase.TAKEN_OVER if not ended
-               else AgreePhase.FAILED if failed else AgreePhase.WRITTEN)
-      view = dataclasses.replace(view, agree=agree)
-    return view
+      return VIEWS[(self._phase, self._outcome, self.takeover is Takeover.PENDING)]
 
   @property
   def committed(self) -> bool:
@@ -348,15 +216,6 @@ class Step(StepCopy):
   def written(self) -> int:
     return self._written
 
-  @property
-  def nbytes(self) -> int:
-    return self._nbytes
-
-  @property
-  def shards(self) -> Mapping[ShardId, np.ndarray]:
-    """Its shards' bytes by id (a view: no copy)."""
-    return self._bytes
-
   def staged(self) -> list[Staged]:
     """Its shards, each record with its bytes (a list of its own)."""
     with self._lock:
@@ -375,10 +234,6 @@ class Step(StepCopy):
   @property
   def plans(self) -> tuple[CommitPlan, ...]:
     return tuple(self._plans)
-
-  @property
-  def manifest(self) -> Manifest | None:
-    return self._manifest
 
   @property
   def replication(self) -> Replication | None:
@@ -497,6 +352,7 @@ class Step(StepCopy):
         else:
           self._move(Phase.FAILED, legal=(Phase.STAGING, Phase.STAGED))
       self._error = error
+      self._outcome = Outcome.WRITTEN if error is None else Outcome.FAILED
       self._written_records = records if records is not None else []
       self._finished = time.monotonic()
     self._written_event.set()
@@ -504,15 +360,13 @@ class Step(StepCopy):
     return left
 
   def commit(self) -> None:
-    """``ram_tier.RamTier.mark_committed``'s: WRITTEN to COMMITTED (again: nothing). Its
-    takeover is left as it is (the tier ends it: ``end_agreement``)."""
+    """``ram_tier.RamTier.mark_committed``'s: WRITTEN to COMMITTED (again: nothing). A
+    takeover pending ends with it (committed here, its end is known)."""
     with self._lock:
       if self._phase is not Phase.COMMITTED:
         self._move(Phase.COMMITTED, legal=(Phase.WRITTEN,))
-
-  def keep_manifest(self, manifest: Manifest) -> None:
-    """A DCP step's manifest, kept with its RAM-tier copy (``info`` answers it)."""
-    self._manifest = manifest
+      if self._agreed is not None:
+        self._agreed.set()
 
   def drop(self, why: BaseException | None = None) -> None:
     """``ram_tier.RamTier``'s: DROPPED, from any phase but DROPPED. Its bytes go back to the
@@ -522,15 +376,10 @@ class Step(StepCopy):
       self._move(Phase.DROPPED, legal=(Phase.STAGING, Phase.STAGED, Phase.WRITTEN,
                                        Phase.FAILED, Phase.COMMITTED))
       ended = self._written_event.is_set()
-      staging = not self._whole and not ended
       self._staged.clear()
-      replication = self._replication
-    if replication is not None:
-      replication.cancel()
-    if staging:
-      self._incoming.put(why if why is not None else errors.ClosedError(
-          f"the save of step {self._step} was aborted"))
-    elif ended:  # no writer reads them any more
+    self.stop(why if why is not None else errors.ClosedError(
+        f"the save of step {self._step} was aborted"))  # (its writer, if still staging)
+    if ended:  # no writer reads them any more
       _drain(self._incoming)
     self._whole_event.set()
 
@@ -555,28 +404,21 @@ class Step(StepCopy):
     if staging:
       self._incoming.put(why)
 
-  def take_over(self) -> None:
+  def take_over(self, ended: threading.Event) -> None:
     """``agreement.Agreements.take_over``'s: the sidecars commit it from now on (once
-    whole; once)."""
+    whole; once); ``ended``: its agreement's end (``Agreement.ended``), which its
+    takeover reads from now on."""
     with self._lock:
       if not self._whole or self._agreed is not None:
         raise StateError(f"step {self._step} at {self._final_dir!r:.200} is "
                          f"{self._phase.value}{', taken over already' if self._agreed else ''}:"
                          " only a whole step is taken over, once")
-      self._agreed = threading.Event()
+      self._agreed = ended
 
   def refuse_takeover(self) -> None:
     """The takeover failed (its committer refused or did not answer): as before it."""
     with self._lock:
       self._agreed = None
-
-  def end_agreement(self) -> None:
-    """``agreement.Agreements``': the sidecars committed or abandoned it (and
-    ``ram_tier.RamTier.mark_committed``'s: committed here); again is nothing."""
-    agreed = self._agreed
-    if agreed is None:
-      raise StateError(f"step {self._step} at {self._final_dir!r:.200} was not taken over")
-    agreed.set()
 
   def start_replication(self, make: Callable[[], Replication]) -> tuple[Replication, bool]:
     """``replication.Replicator``'s: its replication, made by ``make`` if it has none yet

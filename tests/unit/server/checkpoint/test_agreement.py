@@ -72,7 +72,7 @@ class Host:
     t.start()
 
   def committing(self):
-    return [s.step for s in self.tier.steps(lambda s: s.takeover is Takeover.PENDING)]
+    return [s.step for s in self.tier.steps() if s.takeover is Takeover.PENDING]
 
 
 class Links:

@@ -7,6 +7,7 @@ its view. No server, no processes.
 """
 
 import logging
+import threading
 
 import numpy as np
 import pytest
@@ -69,18 +70,17 @@ def add_step(tier, arena, step, *, blocks=1, directory=D, committed=False, done=
 
 
 def add_replica(tier, arena, step, source, *, blocks=1, whole=True, committed=False):
-  replica = ram_tier.Replica(D, step, item(step), source)
+  replica = tier.open_replica(D, step, item(step), source)  # held at once: none is whole
   for i in range(blocks):
     replica.add_shard(ShardId(("w",), ((i, i + 1),)), staged(arena))
   if whole:
     replica.mark_whole()
   if committed:
     replica.commit()
-  tier.hold_replica(replica)
 
 
 def replica_of(tier, final_dir, source):
-  (replica,) = tier.replicas(lambda r: r.final_dir == final_dir and r.source == source)
+  (replica,) = [r for r in tier.replicas() if r.final_dir == final_dir and r.source == source]
   return replica
 
 
@@ -100,7 +100,7 @@ def test_the_newest_ram_steps_stay_and_the_rest_go_back_to_the_arena(tier, arena
   assert [s.phase for s in tier.steps()] == [step_lib.Phase.COMMITTED] * 2
   assert used_blocks(arena) == 2
   assert sorted(s.step for s in tier.steps()) == [2, 3]
-  assert tier.committed_items() == {item(1): False, item(2): True, item(3): True}
+  assert tier.holdings().commits == (item(1), item(2), item(3))  # step 1's: gone since
 
 
 def test_a_directory_never_opened_keeps_one_step(tier, arena):
@@ -132,7 +132,7 @@ def test_replicas_count_toward_the_budget_and_leave_with_their_step(tier, arena)
   add_replica(tier, arena, 3, source=3)
   assert commit(tier, arena, 3) == [3]  # 3 blocks; with step 2's 2 it would not fit
   assert sorted((r.final_dir, r.source) for r in tier.replicas()) == [(item(3), 2), (item(3), 3)]
-  assert tier.committed_items() == {item(1): False, item(2): False, item(3): True}
+  assert tier.holdings().commits == (item(1), item(2), item(3))
   assert used_blocks(arena) == 3
 
 
@@ -146,7 +146,7 @@ def test_a_step_held_only_as_a_replica_is_committed_and_kept(tier, arena):
 
 def test_a_step_this_host_never_held_is_not_recorded(tier):
   assert tier.mark_committed(item(5)) == []
-  assert tier.committed_items() == {}
+  assert tier.holdings().commits == ()
 
 
 def test_an_evicted_step_is_marked_gone_for_its_late_replicas(tier, arena):
@@ -156,10 +156,14 @@ def test_an_evicted_step_is_marked_gone_for_its_late_replicas(tier, arena):
   tier.configure(D, 1, None)
   commit(tier, arena, 1)
   commit(tier, arena, 2)
-  assert tier.committed_items()[item(1)] is False
-  tier.drop(D, 2)  # forget: max_to_keep deleted it
-  assert tier.committed_items()[item(2)] is False
+  tier.drop([(D, 2)])  # forget: max_to_keep deleted it
   assert tier.steps() == [] and used_blocks(arena) == 0
+  for step in (1, 2):  # evicted, then forgotten: each late replica is dropped on arrival
+    late = tier.open_replica(D, step, item(step), 3)
+    tier.add_replica_shard(late, ShardId(("w",), ((0, 1),)), staged(arena))
+    assert tier.replica_whole(late) and late.committed and tier.replicas() == []
+    del late  # its block goes back with it: nothing holds it
+    assert used_blocks(arena) == 0
 
 
 def test_drop_cancels_the_replication_of_a_dropped_step(tier, arena):
@@ -168,14 +172,14 @@ def test_drop_cancels_the_replication_of_a_dropped_step(tier, arena):
   job, made = own.start_replication(
       lambda: step_lib.Replication([ReplicaTarget(host_id=1, address="127.0.0.1:1")]))
   assert made and job.receivers[0].host_id == 1
-  tier.drop(D, 1)
+  tier.drop([(D, 1)])
   assert job.cancelled and used_blocks(arena) == 0 and own.phase is step_lib.Phase.DROPPED
 
 
 def test_drop_keeps_uncommitted_steps_and_other_directories(tier, arena):
   add_step(tier, arena, 1)  # written, commit not yet in
   add_step(tier, arena, 1, directory="/ck/other", committed=True)
-  tier.drop(D, 1)
+  tier.drop([(D, 1)])
   assert sorted(s.final_dir for s in tier.steps()) == ["/ck/other/1/default", item(1)]
 
 
@@ -227,12 +231,35 @@ def test_status_and_usage_say_what_is_held_and_written(tier, arena):
   # Steps the sidecars took over are committing until their end is known here, written
   # or not, and never counted as uncommitted meanwhile.
   for step in (2, 3):
-    tier.find(item(step)).take_over()
+    tier.find(item(step)).take_over(threading.Event())
   [status] = tier.status()
   assert (list(status.committing), list(status.uncommitted), list(status.writing)) == (
       [2, 3], [], [3])
   tier.mark_committed(item(2))  # its trainers told it (Committed)
   assert list(tier.status()[0].committing) == [3]
+
+
+def test_a_group_budget_that_reads_the_tier_back_does_not_deadlock(arena):
+  """The tier runs no caller's code under its lock: the pool's budget of a group (its
+  quotas) may read the tier (here its group's use) while a commit evicts within it; under
+  the lock it deadlocked (the lock is not reentrant)."""
+  asked: list[tuple[int, int]] = []
+
+  def budget(group):
+    asked.append(tier.group_use().get(group, (0, 0)))
+    return 1 * KB
+
+  tier = ram_tier.RamTier(0, uncommitted_s=3600.0, group_budget=budget)
+  tier.set_group(D, "alice")
+  tier.configure(D, 5, None)
+  kept: list = []
+  committing = threading.Thread(
+      target=lambda: kept.append([commit(tier, arena, s) for s in (1, 2)]), daemon=True)
+  committing.start()
+  committing.join(10)
+  assert not committing.is_alive(), "a commit deadlocked on the group's budget"
+  assert kept == [[[1], [2]]] and asked  # the newest commit stays within 1 KB
+  tier.clear()
 
 
 def test_a_groups_directories_keep_their_newest_commits_within_its_budget(arena):
@@ -255,7 +282,7 @@ def test_a_groups_directories_keep_their_newest_commits_within_its_budget(arena)
         ("/ck/alice2", 5), (other, 9), (D, 2)]
     assert tier.group_use() == {"alice": (0, 3 * KB), "bob": (0, 4 * KB)}
     assert commit(tier, arena, 3, blocks=4) == [2]  # larger than the budget: never kept
-    assert tier.committed_items()[item(3)] is False
+    assert tier.find(item(3)) is None and item(3) in tier.holdings().commits
     assert used_blocks(arena) == 3 + 4
     add_step(tier, arena, 4, committed=False, done=False)  # a save in progress
     assert tier.group_use()["alice"] == (1, 3 * KB)
@@ -285,8 +312,9 @@ def test_a_replica_is_assembled_made_whole_and_replaces_the_one_held(tier, arena
   old.commit()
   new = ram_tier.Replica(D, 1, item(1), 2, replaces=old)
   key = ShardId(("w",), ((0, 1),))
-  entry = new.piece_block(key, lambda: staged(arena))
-  assert new.piece_block(key, lambda: pytest.fail("made twice")) is entry and new.partial == 1
+  assert new.piece_block(key) is None  # no block yet: its caller makes one
+  entry = new.piece_block(key, staged(arena))
+  assert new.piece_block(key) is entry and new.partial == 1
   assert not new.piece_received(key, entry, KB // 2)
   assert new.piece_received(key, entry, KB // 2) and new.partial == 0
   new.add_shard(key, entry[0])
@@ -312,16 +340,15 @@ def test_queries_find_steps_by_item_tmp_dir_and_state(tier, arena):
   writing = add_step(tier, arena, 2, done=False)
   committed = add_step(tier, arena, 3, committed=True)
   pending = add_step(tier, arena, 4)
-  pending.take_over()  # the sidecars commit it
+  pending.take_over(threading.Event())  # the sidecars commit it
   other = add_step(tier, arena, 5, directory="/ck/other", done=False)
   assert tier.find(item(1)) is uncommitted and tier.find(item(9)) is None
   assert tier.find_tmp(f"{item(2)}.tmp") is writing and tier.find_tmp(item(2)) is None
-  assert tier.holds(committed) and not tier.holds(make_step(D, 3, item(3), {}))
   assert tier.in_flight(D) == [writing, pending] and tier.in_flight() == [writing, pending,
                                                                           other]
   assert tier.writing() == [writing, other]
   assert tier.pending_commits(D) == [pending] and tier.pending_commits("/ck/other") == []
-  assert tier.steps(lambda s: s.committed) == [committed]
+  assert [s for s in tier.steps() if s.committed] == [committed]
   add_replica(tier, arena, 3, source=2, committed=True)
   (replica,) = tier.replicas()
   assert tier.copies_of(item(3)) == [committed, replica] and tier.copies_of(item(8)) == []
@@ -329,20 +356,40 @@ def test_queries_find_steps_by_item_tmp_dir_and_state(tier, arena):
   assert tier.replica_with(item(3), ShardId(("w",), ((1, 2),))) is None
 
 
-def test_a_slot_checks_and_holds_a_step_in_one_look(tier, arena):
-  """A Stage's look at an item: the tier's lock is held for the block (nothing else looks
-  meanwhile), and a new step held there drops the one before it."""
+def test_a_slot_is_one_stage_at_a_time_and_lends_no_lock_of_the_tier_s(tier, arena):
+  """A Stage's look at an item: one Stage at a time holds a slot, and a new step held
+  there drops the one before it; the tier's own lock is not lent to the Stage's block, so
+  the tier answers meanwhile, the block's own questions to it included (under the tier's
+  lock, a Stage's block that asked the tier deadlocked: the lock is not reentrant)."""
   old = add_step(tier, arena, 1)  # its write ended: a save of the step again replaces it
-  with tier.slot(item(1)) as slot:
-    assert slot.step is old
-    assert tier.look(lambda held: held, timeout=0) is None  # its lock is held: no one else looks
-    new = make_step(D, 1, item(1), {}, written=False, staged=False)
-    slot.hold(new)
-    assert slot.step is new
+  answers: list = []
+
+  def stage():
+    with tier.slot(item(1)) as slot:
+      answers.append((slot.step, tier.find(item(1)), tier.holdings(timeout=0) is not None))
+      new = make_step(D, 1, item(1), {}, written=False, staged=False)
+      slot.hold(new)
+      answers.append(slot.step)
+
+  asking = threading.Thread(target=stage, daemon=True)
+  asking.start()
+  asking.join(10)
+  assert not asking.is_alive(), "a Stage's block that asked the tier deadlocked"
+  new = answers[1]
+  assert answers[0] == (old, old, True) and new is not old
   assert tier.find(item(1)) is new and old.phase is step_lib.Phase.DROPPED
+  def second():
+    with tier.slot(item(3)):
+      pass
+
   with tier.slot(item(2)) as slot:
     assert slot.step is None
-  assert tier.look(lambda held: held, timeout=0) is not None
+    other = threading.Thread(target=second, daemon=True)
+    other.start()
+    other.join(0.2)
+    assert other.is_alive()  # the second Stage waits for this one's slot
+  other.join(10)
+  assert not other.is_alive()
 
 
 def test_replicas_are_received_replaced_and_discarded_by_its_commands(tier, arena):
@@ -365,26 +412,19 @@ def test_replicas_are_received_replaced_and_discarded_by_its_commands(tier, aren
   assert tier.replica_whole(again) and tier.replicas() == [again] and again.committed
   tier.discard_partial(again)  # whole: it stays
   assert tier.replicas() == [again]
-  tier.drop(D, 1)  # its step is forgotten: a replica of it arriving late is dropped then
+  tier.drop([(D, 1)])  # its step is forgotten: a replica of it arriving late is dropped then
   late = tier.open_replica(D, 1, item(1), 3)
   tier.add_replica_shard(late, key, staged(arena))
   assert tier.replica_whole(late) and tier.replicas() == [] and late.committed
-  assert tier.committed_items() == {item(1): False}
-
-
-def test_a_replica_held_in_place_replaces_any_of_its_step_and_source(tier, arena):
-  add_replica(tier, arena, 1, source=2)
-  (old,) = tier.replicas()
-  new = ram_tier.Replica(D, 1, item(1), 2)
-  tier.hold_replica(new)
-  assert tier.replicas() == [new] and old is not new
+  assert tier.holdings().commits == (item(1),)
 
 
 def test_a_directory_s_ram_steps_and_group_are_configured_by_command(arena):
   tier = ram_tier.RamTier(0, uncommitted_s=3600.0, group_budget={"alice": 10 * KB}.get)
-  assert tier.ram_steps_of(D) == (1, None)  # one step, no budget, until configured
+  # one step, no budget, until configured
+  assert [commit(tier, arena, s, directory="/ck/b") for s in (1, 2)] == [[1], [2]]
+  assert tier.drop([("/ck/b", 2)])
   tier.configure(D, 2, 4 * KB)
-  assert tier.ram_steps_of(D) == (2, 4 * KB)
   tier.set_group(D, "alice")
   assert [commit(tier, arena, s) for s in (1, 2, 3)] == [[1], [1, 2], [2, 3]]
   assert tier.group_use() == {"alice": (0, 2 * KB)}
@@ -392,24 +432,21 @@ def test_a_directory_s_ram_steps_and_group_are_configured_by_command(arena):
   assert tier.evict(D) == [] and tier.steps() == [] and used_blocks(arena) == 0
 
 
-def test_it_gives_way_in_one_look_and_releases_a_client_s_directories(tier, arena):
+def test_it_answers_what_it_holds_drops_and_releases_a_client_s_directories(tier, arena):
   tier.configure(D, 5, None)
   for step in (1, 2):
     commit(tier, arena, step)
   add_step(tier, arena, 3)  # not committed: never released
   commit(tier, arena, 4, directory="/ck/other")
-  seen = []
-
-  def choose(held):
-    seen.append((sorted(s.step for s in held.steps), held.commits, held.group_of(D)))
-    return [(D, 1)]
-
-  assert tier.give_way(choose)
-  assert seen == [([1, 2, 3, 4], (item(1), item(2), "/ck/other/4/default"), None)]
+  held = tier.holdings()
+  assert held is not None
+  assert (sorted(s.step for s in held.steps), held.commits, held.group_of(D)) == (
+      [1, 2, 3, 4], (item(1), item(2), "/ck/other/4/default"), None)
+  assert tier.drop([(D, 1), (D, 3)])  # step 3 is not committed: it stays
   assert sorted(s.step for s in tier.steps()) == [2, 3, 4]
-  with tier.slot(item(9)):  # busy: nothing is chosen
-    assert not tier.give_way(lambda held: pytest.fail("chose while busy"), timeout=0)
-  assert tier.release(lambda d: d == D) == 1  # step 2; step 3 is not committed
+  with tier._lock:  # the tier busy (another thread's command): nothing goes
+    assert not tier.drop([(D, 2)], timeout=0) and tier.holdings(timeout=0) is None
+  assert tier.release({D}) == 1  # step 2; step 3 is not committed
   assert sorted(s.step for s in tier.steps()) == [3, 4]
 
 

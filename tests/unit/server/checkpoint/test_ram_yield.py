@@ -179,3 +179,49 @@ def test_describe_names_only_the_directories_the_asking_client_may_see(setup):
       f"RAM-tier steps: {D} step 1 (4.0 KiB, durable, still read or held elsewhere); "
       "other clients' steps (4.0 KiB, not durable yet, kept); "
       "other clients' steps (4.0 KiB, durable, still read or held elsewhere)")
+
+
+def test_a_tenant_s_spare_that_asks_the_tier_does_not_deadlock(setup):
+  """The tier runs no caller's code under its lock: a pool's ``spare`` (the tenants' own
+  accounting) that reads the tier back, as a quota's may, gets its answer (under the lock
+  it deadlocked: the tier's lock is not reentrant)."""
+  import threading
+
+  arena, tier, yielding, _, _ = setup
+  for directory, group in (("/ck/alice", "alice"), ("/ck/bob", "bob")):
+    tier.set_group(directory, group)
+    tier.configure(directory, 5, None)
+  quarter = BLOCKS // 4 * KB
+  commit(tier, arena, 1, blocks=BLOCKS // 4, directory="/ck/bob")
+  yielding.spare = lambda tenant: tier.group_use()[tenant][1]  # all of bob's is spare
+  got: list[int] = []
+  asking = threading.Thread(target=lambda: got.append(yielding.reclaim(1, "alice")),
+                            daemon=True)
+  asking.start()
+  asking.join(10)
+  assert not asking.is_alive(), "the reclaim deadlocked on the RAM tier's lock"
+  assert got == [quarter] and steps_held(tier) == []
+
+
+def test_a_replica_s_piece_gets_its_block_from_durable_copies(setup):
+  """A replica's piece allocates its block in the arena, which may ask the tier to give
+  way: made outside the tier's lock, the allocation gets the room of a durable copy (under
+  it, the reclaim found the lock busy and the allocation failed with the room there)."""
+  arena, tier, _, _, _ = setup
+  tier.configure(D, 5, None)
+  commit(tier, arena, 1, blocks=BLOCKS)  # the arena is full of a durable copy
+  leases = arena[1]
+  pin = leases.new_pin()
+  made = []
+
+  def make():
+    block = leases.alloc(KB, pin, timeout=0)
+    made.append(block)
+    return arena[0].lease(block.offset, KB, lambda: None)
+
+  replica = tier.open_replica("/ck/b", 7, item(7, "/ck/b"), source=1)
+  entry = tier.replica_piece(replica, ShardId(("w",), ((0, 1),)), make)
+  assert entry[1] == 0 and len(made) == 1 and steps_held(tier) == []
+  del entry
+  tier.discard_partial(replica)
+  leases.release(made[0].offset, made[0].generation, pin)

@@ -121,14 +121,14 @@ def test_a_stopping_sidecar_stops_the_writer_and_the_replication():
      r"is staging: it cannot become written \(only from staged\)"),
     (Phase.STAGED, lambda s: s.commit(), r"is staged: it cannot become committed"),
     (Phase.DROPPED, lambda s: s.drop(), r"is dropped: it cannot become dropped"),
-    (Phase.STAGING, lambda s: s.take_over(), r"only a whole step is taken over, once"),
-    (Phase.STAGING, lambda s: s.end_agreement(), r"was not taken over"),
+    (Phase.STAGING, lambda s: s.take_over(threading.Event()),
+     r"only a whole step is taken over, once"),
     (Phase.STAGING, lambda s: s.start_replication(lambda: step_lib.Replication([])),
      r"is staging: only a whole step is replicated"),
     (Phase.DROPPED, lambda s: s.start_replication(lambda: step_lib.Replication([])),
      r"is dropped: only a whole step is replicated"),
 ], ids=["take-staged", "end-write-twice", "written-while-staging", "commit-unwritten",
-        "drop-twice", "take-over-staging", "end-agreement-not-taken", "replicate-staging",
+        "drop-twice", "take-over-staging", "replicate-staging",
         "replicate-dropped"])
 def test_a_transition_from_a_phase_it_does_not_leave_raises(phase, move, match):
   own = make_step(D, 1, FINAL, shard(0), written=phase in (Phase.WRITTEN, Phase.DROPPED),
@@ -144,30 +144,33 @@ def test_a_transition_from_a_phase_it_does_not_leave_raises(phase, move, match):
 def test_a_step_taken_over_is_pending_until_its_agreement_ends():
   own = make_step(D, 1, FINAL, shard(0), written=False)
   assert own.takeover is Takeover.NONE and own.wait_agreed(0)
-  own.take_over()
+  ended = threading.Event()  # its agreement's (agreement.Agreement.ended)
+  own.take_over(ended)
   assert own.takeover is Takeover.PENDING and not own.wait_agreed(0)
   with pytest.raises(StateError, match="taken over already"):
-    own.take_over()
-  own.end_agreement()  # committed or abandoned by the sidecars
+    own.take_over(threading.Event())
+  ended.set()  # committed or abandoned by the sidecars: the step keeps no copy of it
   assert own.takeover is Takeover.ENDED and own.wait_agreed(0)
 
 
 def test_a_refused_takeover_leaves_it_as_before():
   own = make_step(D, 1, FINAL, shard(0))
-  own.take_over()
+  own.take_over(threading.Event())
   own.refuse_takeover()
   assert own.takeover is Takeover.NONE
 
 
-def test_its_commit_in_the_ram_tier_ends_its_agreement_not_its_commit_alone():
-  """Committing a step ends no agreement as a side effect: the RAM tier, told the step is
-  committed (its trainers' Committed, or the sidecars' commit), ends it beside."""
+def test_its_commit_ends_its_agreement_in_the_same_transition():
+  """A step committed here (its trainers' Committed, or the sidecars' commit, through the
+  RAM tier) is never committed and pending: its commit ends its takeover, in one place."""
   own = make_step(D, 1, FINAL, shard(0))
-  own.take_over()
+  ended = threading.Event()
+  own.take_over(ended)
   own.commit()
-  assert own.committed and own.takeover is Takeover.PENDING
+  assert own.committed and own.takeover is Takeover.ENDED and own.wait_agreed(0)
+  assert ended.is_set()  # its agreement's wait for it ends too
   again = make_step(D, 2, FINAL + "2", shard(0))
-  again.take_over()
+  again.take_over(threading.Event())
   tier = ram_tier.RamTier(0, uncommitted_s=3600.0)
   tier.add(again)
   tier.mark_committed(again.final_dir)  # its trainers told it (Committed)
