@@ -251,7 +251,7 @@ class Agreements:
     stopping sidecar lets a write whose part is whole here finish (``Checkpoints.close``
     joins it): till it ends, the committer waits for it, then commits what is written."""
     own = a.own
-    if self._closed.is_set() and (own is None or own.phase is not step_lib.Phase.STAGED):
+    if self._closed.is_set() and (own is None or own.state is not step_lib.State.STAGED):
       raise errors.ClosedError(f"the sidecar of host {self._host_id} is stopping")
     begun = self._writer.begun(a.directory, a.step, a.format) if own is None else None
     alive = (own.trainers_alive() if own is not None
