@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from sidecar._src.ckptfmt.records import AgreePhase
+from sidecar._src.ckptfmt.records import Standing
 
 
 class State(enum.Enum):
@@ -94,7 +94,7 @@ class View:
     copy: why the RAM tier keeps it (``ram_yield``): durable, or why not.
     drain: what ``sidecar drain`` calls it (NONE where no list names it).
   """
-  agree: AgreePhase
+  agree: Standing
   lists: tuple[Listed, ...]
   copy: Reason
   drain: Word
@@ -120,7 +120,7 @@ class View:
   def written(self) -> bool:
     """Its write ended with its records (waiting for its commit, committed, or dropped
     since)."""
-    return self.agree is AgreePhase.WRITTEN
+    return self.agree is Standing.WRITTEN
 
   @property
   def awaits_commit(self) -> bool:
@@ -135,7 +135,7 @@ class View:
 
 
 # Every outside view of a step, by (state, outcome, pending): the one table.
-_T, _W, _F = AgreePhase.TAKEN_OVER, AgreePhase.WRITTEN, AgreePhase.FAILED
+_T, _W, _F = Standing.TAKEN_OVER, Standing.WRITTEN, Standing.FAILED
 _LW, _LU, _LR, _LC = Listed.WRITING, Listed.UNCOMMITTED, Listed.RAM, Listed.COMMITTING
 VIEWS = {
     **{(state, Outcome.NONE, pending): View(_T, (_LC, _LW) if pending else (_LW,),

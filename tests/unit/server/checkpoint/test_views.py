@@ -11,7 +11,7 @@ import threading
 import numpy as np
 import pytest
 
-from sidecar._src.ckptfmt.records import AgreePhase, ShardId
+from sidecar._src.ckptfmt.records import ShardId, Standing
 from sidecar._src.server.checkpoint import lifecycle
 from sidecar._src.server.checkpoint.lifecycle import VIEWS, Outcome, State, Takeover, View
 from sidecar._src.server.checkpoint.step import Step
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.unit
 
 D = "/ck/run"
 FINAL = f"{D}/1/default"
-T, W, F = AgreePhase.TAKEN_OVER, AgreePhase.WRITTEN, AgreePhase.FAILED
+T, W, F = Standing.TAKEN_OVER, Standing.WRITTEN, Standing.FAILED
 BEING, WAITING, FAILED, DURABLE = ("being written", "waiting for its commit",
                                    "its save failed", "durable")
 N = Outcome.NONE
@@ -119,8 +119,8 @@ def test_a_committed_step_is_never_pending():
 
 
 @pytest.mark.parametrize(("end", "agree"), [
-    (None, AgreePhase.TAKEN_OVER), ("written", AgreePhase.WRITTEN),
-    ("failed", AgreePhase.FAILED)], ids=["mid-write", "written", "failed"])
+    (None, Standing.TAKEN_OVER), ("written", Standing.WRITTEN),
+    ("failed", Standing.FAILED)], ids=["mid-write", "written", "failed"])
 def test_a_dropped_step_tells_the_committer_its_write_s_end(end, agree):
   """Dropped (aborted, replaced) while taken over: no list names it, and what it tells the
   committer is how its write ended, kept through the drop (its key's outcome)."""
