@@ -134,7 +134,7 @@ class Replicator:
       result = Replicated(tuple(r.host_id for r in job.receivers), len(shards),
                           sum(s.data.nbytes for s in shards), time.perf_counter() - t0)
       self._metrics.checkpoint_bytes("replicated", result.nbytes * len(job.receivers))
-      self._metrics.phase("replicate", result.seconds)
+      self._metrics.background("replicate", result.seconds)
     except BaseException as e:
       error = e.with_traceback(None)
       e.__context__ = e.__cause__ = None
