@@ -12,6 +12,7 @@ the word's meaning in some modules and not in others (``record``: a shard's reco
 module by module, ``"module:name"``, so the same name in a new module fails until read."""
 
 import ast
+import functools
 import re
 
 import pytest
@@ -158,14 +159,20 @@ def _defined(tree: ast.Module) -> set[str]:
 
 
 def _names() -> dict[str, set[str]]:
-  """Every name defined in sidecar/_src (its modules' and folders' too): the modules."""
+  """Every name defined in sidecar/_src (its modules' and folders' too): the modules. A
+  copy of one walk of the tree, which the file's tests share (2.5 s of CPU a walk)."""
+  return {name: set(modules) for name, modules in _walk().items()}
+
+
+@functools.cache
+def _walk() -> dict[str, frozenset[str]]:
   out: dict[str, set[str]] = {}
   for path in SRC.rglob("*.py"):
     module = str(path.relative_to(SRC))
     for name in {*path.relative_to(SRC).with_suffix("").parts,
                  *_defined(ast.parse(path.read_text()))}:
       out.setdefault(name, set()).add(module)
-  return out
+  return {name: frozenset(modules) for name, modules in out.items()}
 
 
 def _words(name: str) -> set[str]:
