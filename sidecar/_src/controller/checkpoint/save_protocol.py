@@ -102,12 +102,13 @@ class Staging:
   without the plan; each says how many processes stage into its host (``writers``).
 
   ``told(error)``, with ``first.begin`` (one host only): called once the first lot
-  answered (``error`` None: the step is begun there) or failed (then it was never begun).
+  answered (``error`` None: the step is begun there) or failed (then it was never begun);
+  only that lot begins the step, so it is told once.
   ``whole()``: called once every host's last call answered (on the thread its answer came
   on)."""
   hosts: Sequence[int]
   first: Stage
-  told: Callable[[BaseException | None], None] | None = None
+  told: Callable[[BaseException | None], None] = lambda error: None
   whole: Callable[[], None] | None = None
 
   def __post_init__(self) -> None:
@@ -158,24 +159,6 @@ class SaveProtocol:
     except errors.SidecarError as e:
       e.add_note(f"host {host} could not begin step {begin.step} in {begin.directory}")
       raise
-
-  def stage(self, lots: queue.SimpleQueue, staging: Staging) -> None:
-    """Hands the lots ``lots`` holds (``staging.Lot``s, as ``staging.Lots`` puts them;
-    an exception aborts) to their sidecars as they come, until each of ``staging.hosts``
-    had its last (:class:`Sends`): with a plan, each host has then taken the step over.
-    ``staging.whole()`` is called as soon as every host's last call answered (before this
-    returns)."""
-    sends = Sends(self, staging)
-    try:
-      while not sends.done:
-        got: Lot | BaseException = lots.get()  # no other local holds the shards, as
-        if isinstance(got, BaseException):  # the raise would keep them in its frame
-          raise got
-        sends.put(got)
-    except BaseException:
-      sends.settle()
-      raise
-    sends.wait()
 
   def prepared(self, target: Target, hosts: Sequence[int]) -> list[ShardRecord]:
     """Waits for ``hosts`` to write their parts; returns their shards' records, written."""
@@ -323,7 +306,6 @@ class Sends:
 
   def __init__(self, protocol: SaveProtocol, staging: Staging):
     self._protocol, self._staging = protocol, staging
-    self._told = staging.told if staging.first.begin is not None else None  # once
     self._answered = 0  # hosts whose last call answered
     self._lock = threading.Lock()
     self._last: dict[int, concurrent.futures.Future] = {}  # per host, its latest call
@@ -348,17 +330,16 @@ class Sends:
       self._last[host].result()  # a host's lots arrive in order
     stage = self._staging.stage_of(
         got, first, len(self._protocol.writers.get(host, ())) or 1)
-    told, self._told = (self._told, None) if stage.begin is not None else (None, self._told)
     try:
       self._last[host] = self._protocol.client.send(host, stage)
       if stage.begin is not None:  # the step is begun once this answers: say so at once
         self._last[host].result()
     except BaseException as e:
-      if told is not None:
-        told(e)
+      if stage.begin is not None:
+        self._staging.told(e)
       raise
-    if told is not None:
-      told(None)
+    if stage.begin is not None:
+      self._staging.told(None)
     if got.last and self._staging.whole is not None:
       self._last[host].add_done_callback(self._last_answered)
     self._closed += got.last
@@ -373,6 +354,22 @@ class Sends:
       now = self._answered == len(self._staging.hosts) and self._error is None
     if now and self._staging.whole is not None:
       self._staging.whole()
+
+  def drain(self, lots: queue.SimpleQueue) -> None:
+    """Sends the lots ``lots`` holds (``staging.Lot``s, as ``staging.Lots`` puts them;
+    an exception aborts) as they come, until each of the hosts had its last: with a plan,
+    each host has then taken the step over. ``whole()`` is called as soon as every host's
+    last call answered (before this returns)."""
+    try:
+      while not self.done:
+        got: Lot | BaseException = lots.get()  # no other local holds the shards, as
+        if isinstance(got, BaseException):  # the raise would keep them in its frame
+          raise got
+        self.put(got)
+    except BaseException:
+      self.settle()
+      raise
+    self.wait()
 
   def settle(self) -> None:
     """Waits for every call sent, answered or failed: the abort that follows must reach

@@ -41,7 +41,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from sidecar._src.ckptfmt import spec as spec_lib
-from sidecar._src.ckptfmt.records import CommitPlan, ShardRecord
+from sidecar._src.ckptfmt.records import CommitPlan
 from sidecar._src.ckptfmt.save_values import AwaitCommit, Begin, Commit, Stage
 from sidecar._src.controller.checkpoint.client import FormatExtra
 from sidecar._src.controller.checkpoint.coordination import Begun, Coordination, describe
@@ -238,19 +238,14 @@ class SaveRun:
     try:
       # staged resolves as the last Stage's answer comes (on its thread: save(), waiting
       # for it, need not wait for this one to wake too).
-      self.protocol.stage(lots, Staging(
-          hosts=self.local, first=self._stage(leaves=leaves, plan=self.plan, begin=begin),
-          told=self._told_begun, whole=self._staged))
+      t = self.target
+      Sends(self.protocol, Staging(hosts=self.local, first=Stage(
+          self.protocol.directory, t.step, t.tmp_dir, t.final_dir, leaves=leaves, plan=self.plan,
+          begin=begin), told=self._told_begun, whole=self._staged)).drain(lots)
     except BaseException as e:
       self._told_begun(e)  # where its first Stage never went: the others are not left waiting
       raise
     self._staged()
-
-  def _stage(self, **fields: Any) -> Stage:
-    """The Stage of a host's first lot of this step, without its shards (``Staging``'s
-    ``first``); ``fields``: its leaves, the format's extra, the plan, the Begin."""
-    t = self.target
-    return Stage(self.protocol.directory, t.step, t.tmp_dir, t.final_dir, **fields)
 
   def _staged(self) -> None:
     """Every host of :attr:`local` answered its last Stage (took the step over, with a
@@ -288,7 +283,9 @@ class SaveRun:
     copies) the host's part is dropped again, and it raises. ``copies`` is emptied: its
     blocks are the sidecar's once staged."""
     t0 = time.perf_counter()
-    sends = Sends(self.protocol, Staging(hosts=[host], first=self._stage(extra=extra)))
+    t = self.target
+    sends = Sends(self.protocol, Staging(hosts=[host], first=Stage(
+        self.protocol.directory, t.step, t.tmp_dir, t.final_dir, extra=extra)))
     lots = Lots([host], sends.put)
     try:
       try:
@@ -327,12 +324,17 @@ class SaveRun:
           written = self.protocol.prepared(self.target, self.local)
       except BaseException as e:  # every process must reach the commit's agreement
         error = e.with_traceback(None)  # its frames would hold the staged blocks
-    commit: Callable[[Sequence[int]], object] = (
-        functools.partial(self._commit, written, leaves=leaves,
-                          data_state_json=data_state_json, extra=extra) if plan is None
-        # The sidecars' commit of the step they took over (``others`` is theirs to gather).
-        else lambda others: self.protocol.commit(plan.committer, AwaitCommit(
-            self.target.tmp_dir, self.step)))
+    t = self.target
+    commit: Callable[[Sequence[int]], object]
+    if plan is None:  # once every host wrote (``others``: those other processes staged into)
+      mine = Commit(tmp_dir=t.tmp_dir, step=t.step, num_hosts=len(self.hosts), shards=written,
+                    leaves=leaves, data_state_json=data_state_json, whole_step=t.whole_step,
+                    replicas=self._placement or None, extra=extra)
+      commit = lambda others: self.protocol.commit(self.local[0], dataclasses.replace(
+          mine, shards=[*mine.shards, *self.protocol.prepared(t, others)]))
+    else:  # the sidecars commit the step they took over (``others`` is theirs to gather)
+      wait, on = AwaitCommit(t.tmp_dir, t.step), plan.committer
+      commit = lambda others: self.protocol.commit(on, wait)
     aborted: list[str | None] = []  # where the abort found the step committed, if it ran
     # Asked first (``SaveProtocol.abort``): the sidecars' committer, or the one we commit through.
     committer = plan.committer if plan is not None else self.local[0] if self.local else None
@@ -370,16 +372,6 @@ class SaveRun:
       log.warning("step %d was committed all the same, but the RAM tiers of hosts %s could "
                   "not be told: %s; restores read it from storage", self.step, list(told),
                   str(e))
-
-  def _commit(self, written: list[ShardRecord], others: Sequence[int], *,
-              leaves: Sequence[spec_lib.LeafSpec], data_state_json: str,
-              extra: FormatExtra | None) -> None:
-    t = self.target
-    self.protocol.commit(self.local[0], Commit(
-        tmp_dir=t.tmp_dir, step=t.step, num_hosts=len(self.hosts),
-        shards=[*written, *self.protocol.prepared(t, others)], leaves=leaves,
-        data_state_json=data_state_json, whole_step=t.whole_step,
-        replicas=self._placement or None, extra=extra))
 
   def mark_committed(self, hosts: Sequence[int]) -> None:
     """Tells ``hosts``' RAM tiers the step is visible (with the manifest where the

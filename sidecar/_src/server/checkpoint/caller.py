@@ -12,8 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-# The longest a caller waits for a step's write or commit (a Prepared's, an Abort's): a
-# prepared or replicate with no timeout_s waits at most this long.
+# The longest a caller waits: a Prepared or Replicate with no timeout_s, an Abort's commit.
 LONG_S = 3600.0
 
 

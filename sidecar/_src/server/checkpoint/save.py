@@ -270,13 +270,13 @@ class StepWriter:
     (``write.Writers``).
     """
     step = roots_lib.as_int(stage.step, "step")
-    fmt, tmp_dir = self._stage_paths(stage)
+    fmt, stage = self._stage_paths(stage)
     faults.fault("stage", step)
     faults.fault("slowstage", step)
     with self._tier.slot(stage.final_dir) as slot:
-      own = self._held(slot, stage, caller, fmt, tmp_dir, finish_tmp)
+      own = self._held(slot, stage, caller, fmt, finish_tmp)
       before = own.nbytes
-      whole = self._take(own, stage, caller, tmp_dir)
+      whole = self._take(own, stage, caller)
       staged = own.nbytes
     self._writers.staged(own, something=bool(stage.shards) or stage.last)
     self._metrics.checkpoint_bytes("staged", staged - before)
@@ -284,10 +284,11 @@ class StepWriter:
       self._take_over(own)  # before this Stage answers: the sidecars commit it now
     return staged
 
-  def _stage_paths(self, stage: Stage) -> tuple[Format, str]:
-    """The format of ``stage``'s step and its ``tmp_dir`` (resolved), each path resolved
-    once and checked: ``tmp_dir`` in an uncommitted step of ``directory``, going to
-    ``final_dir`` once committed; its extra the format's."""
+  def _stage_paths(self, stage: Stage) -> tuple[Format, Stage]:
+    """The format of ``stage``'s step and ``stage`` with its ``tmp_dir`` resolved, each
+    path resolved once and checked: ``tmp_dir`` in an uncommitted step of ``directory``,
+    going to ``final_dir`` once committed (which stays the client's spelling: the RAM
+    tier's key); its extra the format's."""
     directory, tmp_dir, final_dir = stage.directory, stage.tmp_dir, stage.final_dir
     resolved = self._path(directory, "directory")
     resolved_final = self._path(final_dir, "final_dir")
@@ -303,15 +304,15 @@ class StepWriter:
       raise errors.InvalidArgumentError(
           f"stage: final_dir {final_dir!r:.200} is not where tmp_dir {tmp_dir!r:.200} goes once "
           f"committed ({final!r:.200})")
-    return fmt, tmp_dir
+    return fmt, dataclasses.replace(stage, tmp_dir=tmp_dir)
 
   def _held(self, slot: ram_tier.Slot, stage: Stage, caller: Caller, fmt: Format,
-            tmp_dir: str, finish_tmp: Callable[[], None] | None) -> step_lib.Step:
+            finish_tmp: Callable[[], None] | None) -> step_lib.Step:
     """The step ``stage`` is a part of, in ``slot``: the save's own, being staged, or a
     new one held there, whose writer thread starts once it has something to write
     (``Writers.staged``). Refused where another session stages the step, where it is a
     later part of a save whose write failed, or where the step is staged whole already."""
-    step, final_dir, owner = stage.step, stage.final_dir, caller.owner
+    step, tmp_dir, final_dir, owner = stage.step, stage.tmp_dir, stage.final_dir, caller.owner
     own = slot.step
     phase = own.phase if own is not None else None
     writing = phase in (step_lib.Phase.STAGING, step_lib.Phase.STAGED)
@@ -348,23 +349,22 @@ class StepWriter:
           "from one checkpointer")
     return own
 
-  def _take(self, own: step_lib.Step, stage: Stage, caller: Caller, tmp_dir: str) -> bool:
+  def _take(self, own: step_lib.Step, stage: Stage, caller: Caller) -> bool:
     """``own`` takes ``stage``'s shards (``Step.take``); returns whether its part here is
     whole. Refused where the part does not fit the step, or its write failed or it was
     aborted meanwhile."""
-    step = own.step
     try:
       return own.take(caller.owner, stage.extra, self._here(stage.shards), last=stage.last,
                       writers=stage.writers, plan=stage.plan, leaves=stage.leaves,
                       worker=caller.worker, alive=caller.alive)
     except errors.InvalidArgumentError as e:
-      raise errors.InvalidArgumentError(f"step {step} on host {self._host_id}: {e}") from None
+      raise errors.InvalidArgumentError(f"step {stage.step} on host {self._host_id}: {e}") from None
     except step_lib.StateError:  # its write failed, or it was aborted, since the check above
       if own.phase is step_lib.Phase.FAILED:
         assert own.error is not None
-        raise write_lib.write_failure(self._host_id, step, stage.final_dir, own.error,
-                                      tmp_dir=tmp_dir) from None
-      raise errors.ClosedError(f"stage: the save of step {step} was aborted on host "
+        raise write_lib.write_failure(self._host_id, stage.step, stage.final_dir, own.error,
+                                      tmp_dir=stage.tmp_dir) from None
+      raise errors.ClosedError(f"stage: the save of step {stage.step} was aborted on host "
                                f"{self._host_id} meanwhile") from None
 
   def _here(self, shards: Sequence[Staged]) -> list[Staged]:

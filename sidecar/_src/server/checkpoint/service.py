@@ -352,10 +352,8 @@ class CheckpointService:
     ``begin.directory``)."""
     self._checkpoints.check_storage(caller.tenant, begin.directory, 0)
     if caller.tenant is not None:
-      self._checkpoints.check_client(
-          caller.tenant,
-          self._checkpoints.writer.tmp_of(begin.directory, begin.step, begin.format),
-          "the step's uncommitted directory")
+      tmp = self._checkpoints.writer.tmp_of(begin.directory, begin.step, begin.format)
+      self._checkpoints.check_client(caller.tenant, tmp, "the step's uncommitted directory")
 
   @_threads_after_answer
   def stage(self, r: ckpt_pb.CheckpointStageRequest, context: grpc.ServicerContext

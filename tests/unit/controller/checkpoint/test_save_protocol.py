@@ -24,6 +24,7 @@ from sidecar._src.ckptfmt.spec import LeafSpec
 from sidecar._src.controller.checkpoint import staging
 from sidecar._src.controller.checkpoint.save_protocol import (
   SaveProtocol,
+  Sends,
   Staging,
   Target,
   on_each,
@@ -82,7 +83,7 @@ def test_each_lot_carries_the_format_extra_and_a_host_first_its_leaves():
     parts.put(staging.Lot(host, (shard,), last))
   leaves = (LeafSpec(key_path=("w",), shape=(3,), dtype=np.uint8),)
   first = Stage("/ckpt", 7, target.tmp_dir, target.final_dir, leaves, extra=part)
-  protocol.stage(parts, Staging(hosts=[0, 1], first=first))
+  Sends(protocol, Staging(hosts=[0, 1], first=first)).drain(parts)
   assert fake.sent == [("stage", 0, 1, False, 2, part, leaves),
                        ("stage", 1, 1, True, 1, part, leaves),
                        ("stage", 0, 1, True, 2, part, ())]
@@ -94,7 +95,7 @@ def test_staging_fails_with_the_error_the_copy_put_in_its_parts():
   parts: queue.SimpleQueue = queue.SimpleQueue()
   staging.Lots([0], parts.put).fail(KeyboardInterrupt())
   with pytest.raises(KeyboardInterrupt):
-    protocol.stage(parts, Staging(hosts=[0], first=Stage("/ckpt", 3, "", "")))
+    Sends(protocol, Staging(hosts=[0], first=Stage("/ckpt", 3, "", ""))).drain(parts)
   assert fake.sent == []
 
 
