@@ -70,7 +70,7 @@ SAME = {
         "dcp_part_from_pb", "dcp_part_to_pb", "write_item_part",
         "write_rank_part"}),
     # the shards a save hands on together
-    "lot": frozenset({"STAGE_LOT_BYTES", "lots"}),
+    "lot": frozenset({"STAGE_LOT_BYTES", "lot", "lots"}),
     # a shard's record (records.ShardRecord): the field of what carries one, the module of
     # the frozen values it is one of, a host's written ones; read module by module
     "record": frozenset({
