@@ -8,7 +8,7 @@ sends each with the transport's one call, ``CheckpointTransport.send(host, value
 sidecar's (``server/checkpoint/service.py`` decodes a request into its value and hands it,
 unchanged, to the step writer's verb of the same name, ``server/checkpoint/save.StepWriter``,
 beside a frozen :class:`~sidecar._src.server.checkpoint.caller.Caller`: what the sidecar knows
-of who sent it, never part of the value). ``wire/checkpoint_wire.py`` alone converts a value
+of who sent it, never part of the value). ``wire/save_wire.py`` alone converts a value
 to and from its request, by the value's type. A step's save is, in order:
 
 1. :class:`Begin` (the lead process, on the host that commits): the step's uncommitted
