@@ -123,6 +123,39 @@ def pytest_configure(config):
   for name in _COMPILED:
     if (root / name).is_dir():
       compileall.compile_dir(str(root / name), quiet=2)
+  _one_jax_compilation_cache_for_the_run(config)
+
+
+def _one_jax_compilation_cache_for_the_run(config) -> None:
+  """The run's processes share JAX's persistent compilation cache, as a user's restarted
+  job does (``sidecar launch`` names one for its restarts): a program that many launches
+  compile (the LM example's step: 11 s of a 20 s launch here) is compiled once per run.
+
+  Named here, before anything imports JAX, so the test processes use it too (the xdist
+  workers, started after this, inherit it): one that compiles a program another test or
+  the other worker compiled loads it (the LM example's init, 5 s of CPU a compile, is
+  compiled again by each ``init_state``). Fresh for each run, removed at its end; the size
+  limit only turns on JAX's file lock, so that one process never reads an entry another
+  is still writing. A test of the cache itself, or of a compile still running, removes or
+  names it."""
+  if "JAX_COMPILATION_CACHE_DIR" in os.environ:  # the user's: left as it is
+    return
+  import tempfile
+  cache = tempfile.mkdtemp(prefix="sidecar-tests-jax-cache-")
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = cache
+  os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
+  config.stash[_CACHE_KEY] = cache
+
+
+_CACHE_KEY = pytest.StashKey[str]()
+
+
+def pytest_unconfigure(config):
+  """Removes the run's JAX compilation cache (``_one_jax_compilation_cache_for_the_run``)."""
+  cache = config.stash.get(_CACHE_KEY, None)
+  if cache is not None:
+    import shutil
+    shutil.rmtree(cache, ignore_errors=True)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -130,25 +163,6 @@ def sidecar_logs_kept_in_the_temp_dir(tmp_path_factory):
   """``sidecar launch`` and ``sidecar local`` keep their sidecars' logs in ./sidecar-logs
   unless told: the suite's go to its temp directory, not into the checkout."""
   os.environ.setdefault("SIDECAR_LOG_DIR", str(tmp_path_factory.mktemp("sidecar-logs")))
-
-
-@pytest.fixture(scope="session", autouse=True)
-def one_jax_compilation_cache_for_the_run(tmp_path_factory):
-  """The trainers, kernels and scripts this run starts share JAX's persistent compilation
-  cache, as a user's restarted job does (``sidecar launch`` names one for its restarts): a
-  program that many launches compile (the LM example's step: 11 s of a 20 s launch here) is
-  compiled once per run. Fresh for each run, in its temp directory (both xdist workers'
-  parent); the size limit only turns on JAX's file lock, so that one process never reads
-  an entry another is still writing. A whole run's test processes imported JAX while
-  collecting, before this: their own compiles are not cached. A test of the cache itself,
-  or of a compile still running, removes or names it."""
-  root = tmp_path_factory.getbasetemp()
-  if os.environ.get("PYTEST_XDIST_WORKER"):
-    root = root.parent  # the run's, shared by its workers
-  cache = root / "jax-cache"
-  cache.mkdir(exist_ok=True)
-  os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(cache))
-  os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
 
 
 @pytest.fixture(scope="session", autouse=True)

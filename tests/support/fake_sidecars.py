@@ -24,6 +24,15 @@ from sidecar._src.ckptfmt.records import (
   SavedLeaf,
 )
 from sidecar._src.ckptfmt.registry import DCP, ORBAX
+from sidecar._src.ckptfmt.save_values import (
+  Abort,
+  AwaitCommit,
+  Begin,
+  Commit,
+  Committed,
+  Prepared,
+  Stage,
+)
 from sidecar._src.ckptfmt.spec import LeafSpec
 from sidecar._src.controller.checkpoint.checkpointer import Checkpointer
 from sidecar._src.controller.checkpoint.client import CheckpointTransport, Held
@@ -35,6 +44,10 @@ from sidecar._src.controller.framework import NumpyArrays
 from sidecar._src.controller.peers import LocalPeers, Peers
 from sidecar._src.core import errors
 from sidecar._src.wire.protocol import pb
+
+# The fake's method for each of a save's values (``FakeSidecars.send``).
+_SENDS = {Begin: "begin", Stage: "stage", Prepared: "prepared", Commit: "commit",
+          AwaitCommit: "await_commit", Committed: "committed", Abort: "abort"}
 
 
 def _done(value=None, error=None) -> concurrent.futures.Future:
@@ -157,6 +170,11 @@ class FakeSidecars(CheckpointTransport):
     steps = self.steps.setdefault(directory, set(self.initial))
     return self._phase("open", host, sorted(steps))
 
+  def send(self, host, value, *, timeout=None):
+    """The transport's one call for a save's values: the method named for the value's
+    type (a test's subclass overrides one to see, or change, what that value does)."""
+    return getattr(self, _SENDS[type(value)])(host, value)
+
   def begin(self, host, begin):
     directory, step, format = begin.directory, begin.step, begin.format
     if format == DCP:  # the checkpoint's own directory: its tmp one beside it
@@ -192,9 +210,9 @@ class FakeSidecars(CheckpointTransport):
       records[r.id] = r
     return self._phase("stage", host, sum(a.nbytes for a in held.values()))
 
-  def prepared(self, host, final_dir, *, timeout):
+  def prepared(self, host, prepared):
     self.calls.append(("prepared", host))
-    return self.written(host, final_dir)
+    return self.written(host, prepared.final_dir)
 
   def written(self, host, final_dir) -> concurrent.futures.Future:
     """Future of ``host``'s records of the step once written (``fail["prepared"]``: its
@@ -219,40 +237,44 @@ class FakeSidecars(CheckpointTransport):
     return (self.leaves[final], [r for f in written for r in f.result()],
             plan.data_state_json, plan.replicas)
 
-  def commit(self, host, commit, *, timeout):
-    tmp_dir, step, leaves, shards = commit.tmp_dir, commit.step, commit.leaves, commit.shards
-    data_state_json, whole_step, replicas = (commit.data_state_json, commit.whole_step,
-                                             commit.replicas)
-    extra, taken_over = commit.extra, commit.taken_over
+  def commit(self, host, commit):
+    return self._commit(host, commit.tmp_dir, commit.step, commit.extra, lambda: (
+        commit.leaves, commit.shards, commit.data_state_json, commit.replicas))
+
+  def await_commit(self, host, wait):
+    """As the sidecars' agreement commits a step taken over: every host's records once
+    written."""
+    return self._commit(host, wait.tmp_dir, wait.step, None,
+                        lambda: self.agreed(host, wait.tmp_dir), final=self.finals.__getitem__)
+
+  def _commit(self, host, tmp_dir, step, extra, contents, final=None):
     future = self._phase("commit", host, tmp_dir)
     if future.exception() is None:
       dcp = extra is not None
-      final = tmp_dir.replace(".dcp-checkpoint-tmp" if dcp else ".orbax-checkpoint-tmp", "")
-      if taken_over:  # as the sidecars' agreement: every host's records once written
-        assert whole_step and not shards
-        try:
-          leaves, shards, data_state_json, replicas = self.agreed(host, tmp_dir)
-        except errors.SidecarError as e:
-          return _done(error=e)
-        final = self.finals[tmp_dir]
-      self.manifests[final] = Manifest(DCP if dcp else ORBAX,
+      try:
+        leaves, shards, data_state_json, replicas = contents()
+      except errors.SidecarError as e:
+        return _done(error=e)
+      found = final(tmp_dir) if final is not None else tmp_dir.replace(
+          ".dcp-checkpoint-tmp" if dcp else ".orbax-checkpoint-tmp", "")
+      self.manifests[found] = Manifest(DCP if dcp else ORBAX,
                                        tuple(SavedLeaf.of(s) for s in leaves), tuple(shards),
                                        json.loads(data_state_json) if data_state_json else None,
                                        {int(h): tuple(p) for h, p in (replicas or {}).items()},
                                        extras={"plan": extra.plan()} if dcp else None,
                                        step=step)
-      directory = final.rsplit("/", 1 if dcp else 2)[0]
+      directory = found.rsplit("/", 1 if dcp else 2)[0]
       self.steps.setdefault(directory, set()).add(step)
     return future
 
-  def committed(self, host, final_dir, manifest_json=""):
-    self.told.append((host, final_dir, manifest_json))
+  def committed(self, host, committed):
+    self.told.append((host, committed.final_dir, committed.manifest_json))
     return self._phase("committed", host, [])
 
-  def abort(self, host, tmp_dir, final_dir, *, timeout):
-    self.aborted.append((host, tmp_dir))
-    self.staged.pop((host, final_dir), None)
-    self.records.pop((host, final_dir), None)
+  def abort(self, host, abort):
+    self.aborted.append((host, abort.tmp_dir))
+    self.staged.pop((host, abort.final_dir), None)
+    self.records.pop((host, abort.final_dir), None)
     return self._phase("abort", host, "")  # aborted ("": no commit of it here)
 
   def delete(self, host, directory, step, *, set_aside=False):

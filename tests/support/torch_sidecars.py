@@ -40,12 +40,12 @@ class Recording(FakeSidecars):
     self.writing = threading.Event()
     self.writing.set()
 
-  def prepared(self, host, final_dir, *, timeout):
+  def prepared(self, host, prepared):
     out: concurrent.futures.Future = concurrent.futures.Future()
 
     def written() -> None:
       self.writing.wait(30)
-      out.set_result(FakeSidecars.prepared(self, host, final_dir, timeout=timeout).result())
+      out.set_result(FakeSidecars.prepared(self, host, prepared).result())
     if self.writing.is_set():
       written()
     else:
@@ -60,9 +60,13 @@ class Recording(FakeSidecars):
     self.sent.append(("stage", host, stage.extra))
     return super().stage(host, stage)
 
-  def commit(self, host, commit, *, timeout):
+  def commit(self, host, commit):
     self.sent.append(("commit", host, commit.extra))
-    return super().commit(host, commit, timeout=timeout)
+    return super().commit(host, commit)
+
+  def await_commit(self, host, wait):
+    self.sent.append(("commit", host, None))
+    return super().await_commit(host, wait)
 
   def replicate(self, host, final_dir, targets, *, bandwidth, timeout):
     self.sent.append(("replicate", host, None))

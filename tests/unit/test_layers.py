@@ -23,6 +23,7 @@ are written against the public API, as a user's would be.
 """
 
 import ast
+import functools
 import pathlib
 import sys
 
@@ -91,9 +92,16 @@ def _walk_import_time(body: list[ast.stmt], *, typing: bool = True):
       yield from _walk_import_time(getattr(node, field, []), typing=typing)
 
 
+@functools.cache
+def _parsed(module: str) -> ast.Module:
+  """``module``'s tree, parsed once for the file's tests (each read every module's imports,
+  some many times over; nothing changes a tree)."""
+  return ast.parse(SOURCES[module].read_text())
+
+
 def _imports(module: str, *, import_time_only: bool = False, source: str | None = None,
              typing: bool = True) -> set[str]:
-  tree = ast.parse(SOURCES[module].read_text() if source is None else source)
+  tree = _parsed(module) if source is None else ast.parse(source)
   nodes = _walk_import_time(tree.body, typing=typing) if import_time_only else ast.walk(tree)
   return {name for node in nodes if isinstance(node, (ast.Import, ast.ImportFrom))
           for name in _names(module, node)}

@@ -59,6 +59,7 @@ from sidecar._src.ckptfmt import dir_fd
 from sidecar._src.ckptfmt.dir_fd import DirFd
 from sidecar._src.ckptfmt.direct_io import Turn
 from sidecar._src.ckptfmt.records import MANIFEST_FILE, Manifest, ShardRecord, Staged
+from sidecar._src.ckptfmt.save_values import Commit
 from sidecar._src.ckptfmt.spec import LeafSpec
 from sidecar._src.core import errors
 
@@ -236,12 +237,14 @@ class Format(abc.ABC):
     return {}
 
   @abc.abstractmethod
-  def commit(self, tmp_dir: str, manifest: Manifest, *, leaves: Sequence[LeafSpec],
-             num_hosts: int, whole_step: bool, extra: Any,
-             swapping: Callable[[], None], at: DirFd | None = None) -> str:
-    """Writes ``manifest`` and the format's metadata, checks every host's part is there,
-    and commits (with ``whole_step``, the step's rename, relative to ``at``: the directory
-    the step's uncommitted directory lies in, opened). Returns the committed directory.
+  def commit(self, commit: Commit, manifest: Manifest, *, swapping: Callable[[], None],
+             at: DirFd | None = None) -> str:
+    """Writes ``manifest`` and the format's metadata in ``commit.tmp_dir`` (resolved),
+    checks every host's part is there (``commit.num_hosts``, ``leaves``), and commits (with
+    ``commit.whole_step``, the step's rename, relative to ``at``: the directory the step's
+    uncommitted directory lies in, opened). ``commit`` is the trainer's value, whole
+    (``ckptfmt/save_values``): its ``extra`` the format's own. Returns the committed
+    directory.
     ``swapping`` is a fault point inside the commit, its files in place: between the two
     renames of an overwrite, or just before the step's one rename."""
 

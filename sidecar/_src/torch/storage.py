@@ -213,7 +213,7 @@ class StorageWriter(_Writer):
               for i, (item, a) in enumerate(zip(items, arrays))]
     del arrays
     part = DcpPart(rank, len(items))  # each item is its record, in ``copies``
-    run.stage_copies(self._home, copies, extra=part, rest=part, threads=torch.get_num_threads())
+    run.stage_copies(self._home, copies, extra=part, threads=torch.get_num_threads())
     out: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
     out.set_result(torch_metadata.write_results(rank, plan.items, items))
     return out

@@ -13,13 +13,8 @@ A format's typed parts travel in the ``format_part`` oneofs of the Stage and Com
 requests; :data:`STAGE_EXTRAS` and :data:`COMMIT_EXTRAS` convert them, one entry per
 member (a new format adds its entries).
 
-A save's phases are ``ckptfmt/phases``' values: :func:`begin_to_pb` and
-:func:`begin_from_pb` convert a whole :class:`~sidecar._src.ckptfmt.phases.Begin`,
-:func:`stage_to_pb` and :func:`stage_from_pb` a
-:class:`~sidecar._src.ckptfmt.phases.Stage` (the Begin one carries as its
-``begin_format``), :func:`commit_to_pb` and :func:`commit_from_pb` a
-:class:`~sidecar._src.ckptfmt.phases.Commit`: the only place their fields meet the
-requests'.
+A save's values (``ckptfmt/save_values``) are converted to and from their requests by
+``wire/save_wire.py``, with the conversions of the records they carry here.
 """
 
 from __future__ import annotations
@@ -33,7 +28,6 @@ import numpy as np
 
 from sidecar._src.ckptfmt import names
 from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart
-from sidecar._src.ckptfmt.phases import Begin, Commit, Stage
 from sidecar._src.ckptfmt.records import (
   AgreePhase,
   AgreeState,
@@ -148,74 +142,6 @@ def staged_from_pb(request: ckpt_pb.CheckpointStageRequest, from_arena: codec.Fr
           f"bytes), its data is {list(data.shape)} {data.dtype.name} ({data.nbytes} bytes)")
     out.append(Staged(record, data))
   return out
-
-
-def begin_to_pb(begin: Begin, *, worker_session: str) -> ckpt_pb.CheckpointBeginRequest:
-  """``begin`` as a Begin request of the trainer whose worker session is
-  ``worker_session`` (empty: none)."""
-  return ckpt_pb.CheckpointBeginRequest(directory=begin.directory, step=begin.step,
-                                        format=begin.format, worker_session=worker_session)
-
-
-def begin_from_pb(request: ckpt_pb.CheckpointBeginRequest) -> Begin:
-  """A Begin request's :class:`Begin`. The request's ``worker_session`` is the caller's,
-  not the value's: the servicer reads it itself."""
-  return Begin(request.directory, request.step, request.format)
-
-
-def stage_to_pb(stage: Stage, *, worker_session: str, to_arena: codec.ToArena | None
-                ) -> ckpt_pb.CheckpointStageRequest:
-  """``stage`` as a Stage request of the trainer whose worker session is
-  ``worker_session`` (empty: none); its shards' bytes as :func:`staged_to_pb` puts them."""
-  request = ckpt_pb.CheckpointStageRequest(
-      directory=stage.directory, step=stage.step, tmp_dir=stage.tmp_dir,
-      final_dir=stage.final_dir, leaves=[leaf_to_pb(d) for d in stage.leaves],
-      last=stage.last, writers=stage.writers, worker_session=worker_session,
-      begin_format=stage.begin.format if stage.begin is not None else "")
-  if stage.plan is not None:
-    plan_to_pb(request.plan, stage.plan)
-  format_extra_to_pb(request, stage.extra, STAGE_EXTRAS)
-  staged_to_pb(request, stage.shards, to_arena)
-  return request
-
-
-def stage_from_pb(request: ckpt_pb.CheckpointStageRequest, from_arena: codec.FromArena | None,
-                  views: Sequence[memoryview] = ()) -> Stage:
-  """A Stage request's :class:`Stage` (its shards as :func:`staged_from_pb` reads them;
-  ``writers`` at least 1; its ``begin`` the Begin of its directory and step in its
-  ``begin_format``, if it names one). The request's ``worker_session`` is the caller's, not the
-  value's: the servicer reads it itself."""
-  leaves = [leaf_from_pb(leaf, f"leaves[{i}]") for i, leaf in enumerate(request.leaves)]
-  extra = format_extra_from_pb(request, STAGE_EXTRAS)
-  shards = staged_from_pb(request, from_arena, views)
-  plan = plan_from_pb(request.plan, "plan") if request.HasField("plan") else None
-  begin = (Begin(request.directory, request.step, request.begin_format)
-           if request.begin_format else None)
-  return Stage(request.directory, request.step, request.tmp_dir, request.final_dir, leaves,
-               shards, request.last, max(request.writers, 1), extra, plan, begin)
-
-
-def commit_to_pb(commit: Commit) -> ckpt_pb.CheckpointCommitRequest:
-  """``commit`` as a Commit request."""
-  request = ckpt_pb.CheckpointCommitRequest(
-      tmp_dir=commit.tmp_dir, step=commit.step, num_hosts=commit.num_hosts,
-      leaves=[leaf_to_pb(d) for d in commit.leaves],
-      records=[record_to_pb(c) for c in commit.shards],
-      data_state_json=commit.data_state_json, whole_step=commit.whole_step,
-      taken_over=commit.taken_over)
-  format_extra_to_pb(request, commit.extra, COMMIT_EXTRAS)
-  replicas_to_pb(request.replicas, commit.replicas)
-  return request
-
-
-def commit_from_pb(request: ckpt_pb.CheckpointCommitRequest) -> Commit:
-  """A Commit request's :class:`Commit` (``replicas`` None where it names none)."""
-  leaves = [leaf_from_pb(leaf, f"leaves[{i}]") for i, leaf in enumerate(request.leaves)]
-  written = [record_from_pb(c, f"records[{i}]") for i, c in enumerate(request.records)]
-  return Commit(request.tmp_dir, request.step, request.num_hosts, leaves, written,
-                request.data_state_json, request.whole_step,
-                replicas_from_pb(request.replicas) or None,
-                format_extra_from_pb(request, COMMIT_EXTRAS), request.taken_over)
 
 
 def leaf_to_pb(s: LeafSpec) -> ckpt_pb.LeafSpec:

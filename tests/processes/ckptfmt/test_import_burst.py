@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import sidecar
-from sidecar._src.ckptfmt.phases import Begin, Stage
+from sidecar._src.ckptfmt.save_values import Begin, Prepared, Stage
 from sidecar._src.ckptfmt.spec import LeafKind, LeafSpec
 from tests.support.staged import staged
 
@@ -47,7 +47,7 @@ def test_a_burst_of_stages_on_a_fresh_sidecar_leaves_every_later_save_working(tm
       def stage(step: int) -> str:
         tmp = f"{burst}/{step}.orbax-checkpoint-tmp"
         try:
-          client.stage(0, Stage(
+          client.send(0, Stage(
               directory=str(burst), step=step, tmp_dir=f"{tmp}/default",
               final_dir=f"{burst}/{step}/default", leaves=[LEAF],
               shards=[staged(("w",), 0, ((0, 8),), W)], last=True,
@@ -58,7 +58,7 @@ def test_a_burst_of_stages_on_a_fresh_sidecar_leaves_every_later_save_working(tm
 
       def written(step: int) -> str:
         try:
-          client.prepared(0, f"{burst}/{step}/default", timeout=60).result(90)
+          client.send(0, Prepared(f"{burst}/{step}/default", 60), timeout=60).result(90)
         except sidecar.SidecarError as e:
           return f"{type(e).__name__}: {e}"
         return ""

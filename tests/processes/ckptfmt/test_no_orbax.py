@@ -33,10 +33,12 @@ sys.meta_path.insert(0, _NotInstalled())
 
 import numpy as np
 
-from sidecar._src.ckptfmt import phases, records
+from sidecar._src.ckptfmt import records, save_values
 from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart, Item, distcp
 from sidecar._src.server import metrics as metrics_lib
 from sidecar._src.server.checkpoint import ram_tier, read, roots as roots_lib, save
+from sidecar._src.server.checkpoint.caller import Caller
+from sidecar._src.ckptfmt.save_values import Prepared
 
 root = tempfile.mkdtemp(dir=sys.argv[1])
 threads = []
@@ -50,21 +52,21 @@ writer = save.StepWriter(0, tier=tier, roots=roots_lib.Roots(0, (root,)), spawn=
                          metrics=metrics_lib.Recorder())
 path = f"{root}/ck"
 writer.open(root)
-tmp = writer.begin(phases.Begin(path, 3, "dcp"), owner="a")
+tmp = writer.begin(save_values.Begin(path, 3, "dcp"), Caller(owner="a"))
 w = np.arange(12, dtype=np.float32).reshape(4, 3)
 item = Item(fqn="w", kind="tensor", nbytes=w.nbytes, dtype="float32", sizes=w.shape,
             offsets=(0, 0))
-writer.stage(phases.Stage(root, 3, tmp, path, [], [records.Staged(item.record(0, 0, w), w)],
-                          last=True, extra=DcpPart(0, 1)), owner="a")
-sums = writer.prepared(path, timeout=30)
+writer.stage(save_values.Stage(root, 3, tmp, path, [], [records.Staged(item.record(0, 0, w), w)],
+                          last=True, extra=DcpPart(0, 1)), Caller(owner="a"))
+sums = writer.prepared(Prepared(path), Caller(wait_s=30))
 (where,), size = distcp.layout(0, [item])
 plan = {"storage": [{"fqn": "w", "offset": [0, 0], "path": where.relative_path,
                      "at": where.offset, "length": where.length}],
         "state": {"w": {"kind": "tensor", "dtype": "float32",
                         "chunks": [{"offsets": [0, 0], "sizes": [4, 3]}]}}}
-committed = writer.commit(phases.Commit(tmp, 3, 1, [], sums, '{"epoch": 2}', True,
-                                        extra=DcpCommit(b"\x80\x04N.", {0: size},
-                                                        json.dumps(plan))), owner="a")
+committed = writer.commit(save_values.Commit(
+    tmp_dir=tmp, step=3, num_hosts=1, shards=sums, data_state_json='{"epoch": 2}',
+    extra=DcpCommit(b"\x80\x04N.", {0: size}, json.dumps(plan))), Caller(owner="a"))
 manifest = read.info(committed)
 got = read.Reader(tier, metrics_lib.Recorder()).read(committed, manifest.shards[0], tier="disk")
 for t in threads:

@@ -106,11 +106,17 @@ def train_loop(cluster, ctl, directory, *, kill=None, min_hosts=2, sources=None,
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
+def whole_cluster():
+  """Three hosts no test loses: the uninterrupted run's, and a test's that kills none."""
+  with sidecar.testing.LocalCluster(3, 2, imports=["tests.support.feed_fns"]) as cluster:
+    yield cluster
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(whole_cluster, tmp_path_factory):
   """The run that loses no host: its final state, and the global batch of every step."""
-  with sidecar.testing.LocalCluster(3, 2, imports=["tests.support.feed_fns"]) as other:
-    with other.controller() as ctl:
-      (want, _), want_seen, _ = train_loop(other, ctl, tmp_path_factory.mktemp("whole"))
+  with whole_cluster.controller() as ctl:
+    (want, _), want_seen, _ = train_loop(whole_cluster, ctl, tmp_path_factory.mktemp("whole"))
   return want, want_seen
 
 
@@ -243,18 +249,18 @@ def test_fewer_live_hosts_than_min_hosts_raise_naming_the_lost(three_hosts, tmp_
     train_loop(cluster, ctl, tmp_path, kill=(2, 2), min_hosts=3)
 
 
-def test_an_error_without_a_lost_host_is_not_retried(three_hosts):
-  _, ctl = three_hosts
+def test_an_error_without_a_lost_host_is_not_retried(whole_cluster):
   calls = []
+  with whole_cluster.controller() as ctl:
 
-  @elastic.retry(ctl)
-  def train(hosts):
-    calls.append(hosts)
-    raise ValueError("a bug in the training function")
+    @elastic.retry(ctl)
+    def train(hosts):
+      calls.append(hosts)
+      raise ValueError("a bug in the training function")
 
-  with pytest.raises(ValueError, match="a bug"):
-    train()
-  assert calls == [[0, 1, 2]] and ctl.lost_hosts == {}
+    with pytest.raises(ValueError, match="a bug"):
+      train()
+    assert calls == [[0, 1, 2]] and ctl.lost_hosts == {}
 
 
 def test_a_lost_host_is_noticed_by_the_watch_and_its_calls_refused(three_hosts):

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import sidecar
-from sidecar._src.ckptfmt.phases import Begin
+from sidecar._src.ckptfmt.save_values import Abort, Begin
 from tests.support.pool_files import ALICE, BOB, controller, write_pool
 
 pytestmark = pytest.mark.processes
@@ -145,7 +145,7 @@ def test_bobs_deletes_through_a_swapped_symlink_never_remove_alices_steps(attack
 def test_bobs_aborts_through_a_swapped_symlink_never_remove_alices_save_in_flight(attacked):
   server, alice_run, bob_run = attacked
   with controller(server, ALICE) as alice:
-    tmp = alice.checkpoint_client().begin(0, Begin(str(alice_run), 7, "orbax")).result(10)
+    tmp = alice.checkpoint_client().send(0, Begin(str(alice_run), 7, "orbax")).result(10)
     outcomes: dict[str, int] = {}
     with controller(server, BOB) as ctl:
       client = ctl.checkpoint_client()
@@ -153,8 +153,8 @@ def test_bobs_aborts_through_a_swapped_symlink_never_remove_alices_save_in_fligh
         deadline = time.monotonic() + RACE_S
         while time.monotonic() < deadline and pathlib.Path(tmp).is_dir():
           try:
-            client.abort(0, str(bob_run / "7.orbax-checkpoint-tmp"), str(bob_run / "7"),
-                         timeout=10).result(10)
+            client.send(0, Abort(str(bob_run / "7.orbax-checkpoint-tmp"), str(bob_run / "7")),
+                        timeout=10).result(10)
             outcomes["answered"] = outcomes.get("answered", 0) + 1
           except sidecar.SidecarError as e:
             outcomes[type(e).__name__] = outcomes.get(type(e).__name__, 0) + 1

@@ -29,8 +29,8 @@ import pytest
 import sidecar
 from sidecar._src.ckptfmt import records, registry as formats_lib
 from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart, Item, distcp
-from sidecar._src.ckptfmt.phases import Begin, Commit, Stage
 from sidecar._src.ckptfmt.records import Staged
+from sidecar._src.ckptfmt.save_values import Abort, Begin, Commit, Committed, Prepared, Stage
 from sidecar._src.ckptfmt.spec import LeafKind, LeafSpec
 from tests.support.staged import staged
 
@@ -105,19 +105,19 @@ def client(make_server):
 def _save(client, name: str, directory: str, step: int) -> str:
   """Saves ``step`` in format ``name``; returns its committed item directory."""
   s = DRIVERS[name](directory, step)
-  tmp = client.begin(0, Begin(s.begin, step, name)).result()
+  tmp = client.send(0, Begin(s.begin, step, name)).result()
   fmt = formats_lib.DEFAULT.get(name)
   tmp_dir, final_dir = fmt.staged_dirs(tmp)[0], fmt.final_dir(s.begin, step)
   for shards, first, last in ((s.shards[:1], True, False), (s.shards[1:], False, True)):
-    client.stage(0, Stage(directory=directory, step=step, tmp_dir=tmp_dir, final_dir=final_dir,
+    client.send(0, Stage(directory=directory, step=step, tmp_dir=tmp_dir, final_dir=final_dir,
                           leaves=s.leaves if first else [], shards=shards, last=last,
                           extra=s.first if first else s.rest)).result()
-  sums = client.prepared(0, final_dir, timeout=30).result()
-  client.commit(0, Commit(tmp_dir=tmp_dir, step=step, num_hosts=1, leaves=s.leaves,
+  sums = client.send(0, Prepared(final_dir, 30), timeout=30).result()
+  client.send(0, Commit(tmp_dir=tmp_dir, step=step, num_hosts=1, leaves=s.leaves,
                           shards=sums, data_state_json=json.dumps({"step": step}),
                           whole_step=True, replicas=None, extra=s.commit),
                 timeout=30).result()
-  client.committed(0, final_dir).result()
+  client.send(0, Committed(final_dir)).result()
   return final_dir
 
 
@@ -169,12 +169,12 @@ def test_a_registered_format_saves_lists_restores_keeps_and_detects_corruption(
 
   # An aborted save leaves nothing behind, and is never listed.
   s = DRIVERS[name](directory, 4)
-  tmp = client.begin(0, Begin(s.begin, 4, name)).result()
+  tmp = client.send(0, Begin(s.begin, 4, name)).result()
   fmt = formats_lib.DEFAULT.get(name)
   tmp_dir, final_dir = fmt.staged_dirs(tmp)[0], fmt.final_dir(s.begin, 4)
-  client.stage(0, Stage(directory=directory, step=4, tmp_dir=tmp_dir, final_dir=final_dir,
+  client.send(0, Stage(directory=directory, step=4, tmp_dir=tmp_dir, final_dir=final_dir,
                         leaves=s.leaves, shards=s.shards[:1], last=False, extra=s.first)).result()
-  client.abort(0, tmp, final_dir, timeout=30).result()
+  client.send(0, Abort(tmp, final_dir), timeout=30).result()
   assert not pathlib.Path(tmp).exists() and not pathlib.Path(final_dir).exists()
   assert client.open(0, directory, ram_steps=3, ram_budget=None, sweep=False).result() == [2, 3]
 
@@ -198,4 +198,4 @@ def test_a_begin_names_its_format_by_its_one_name(name, client, tmp_path):
                        match=rf"format must be one of the registered formats "
                        rf"{formats_lib.DEFAULT.names!r}, got {other!r}".replace("[", r"\[")
                        .replace("]", r"\]")):
-      client.begin(0, Begin(DRIVERS[name](directory, 1).begin, 1, other)).result()
+      client.send(0, Begin(DRIVERS[name](directory, 1).begin, 1, other)).result()

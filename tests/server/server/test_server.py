@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import sidecar
-from sidecar._src.ckptfmt.phases import Begin, Stage
+from sidecar._src.ckptfmt.save_values import Begin, Prepared, Stage
 from sidecar._src.wire import ipc, protocol
 from sidecar._src.wire.protocol import pb
 from tests.conftest import eventually
@@ -367,12 +367,12 @@ def test_a_save_abandoned_mid_stage_gives_its_blocks_back(make_server, tmp_path,
     directory = str(tmp_path / "ck")
     client = ctl.checkpoint_client()
     client.open(0, directory, ram_steps=1, ram_budget=None, sweep=True).result()
-    tmp = client.begin(0, Begin(directory, 3, "orbax")).result()
+    tmp = client.send(0, Begin(directory, 3, "orbax")).result()
     n = 1 << 18  # large enough to go through the arena
     spec = spec_lib.LeafSpec(key_path=("w",), shape=(2, n), dtype=np.float32, kind="np.ndarray",
                            write_shape=(1, n))
     part, _ = ctl.worker(0).put(np.ones((1, n), np.float32))
-    client.stage(0, Stage(directory=directory, step=3, tmp_dir=tmp + "/default",
+    client.send(0, Stage(directory=directory, step=3, tmp_dir=tmp + "/default",
                           final_dir=directory + "/3/default", leaves=[spec],
                           shards=[staged(("w",), 0, ((0, 1), (0, n)), part)], last=False)).result()
     del part  # the trainer dies before its last part
@@ -394,20 +394,21 @@ def test_two_sessions_stage_one_step_into_one_host(make_server, tmp_path):
     directory = str(tmp_path / "ck")
     clients = [a.checkpoint_client(), b.checkpoint_client()]
     clients[0].open(0, directory, ram_steps=1, ram_budget=None, sweep=True).result()
-    tmp = clients[0].begin(0, Begin(directory, 3, "orbax")).result()
+    tmp = clients[0].send(0, Begin(directory, 3, "orbax")).result()
     n = 1 << 16
     spec = spec_lib.LeafSpec(key_path=("w",), shape=(2, n), dtype=np.float32,
                            kind="np.ndarray", write_shape=(1, n))
     rows = []
     for i, (ctl, client) in enumerate(zip((a, b), clients)):
       part, _ = ctl.worker(0).put(np.full((1, n), i, np.float32))
-      client.stage(0, Stage(directory=directory, step=3, tmp_dir=tmp + "/default",
+      client.send(0, Stage(directory=directory, step=3, tmp_dir=tmp + "/default",
                             final_dir=directory + "/3/default", leaves=[spec],
                             shards=[staged(("w",), 0, ((i, i + 1), (0, n)), part)], last=True,
                             writers=2)).result()
       del part
       rows.append(i)
-      prepared = clients[0].prepared(0, directory + "/3/default", timeout=0.3 if i == 0 else 30)
+      wait_s = 0.3 if i == 0 else 30
+      prepared = clients[0].send(0, Prepared(directory + "/3/default", wait_s), timeout=wait_s)
       if i == 0:  # one writer of two is not the whole step
         with pytest.raises(sidecar.SidecarError, match="still being written|Deadline Exceeded"):
           prepared.result()
@@ -427,12 +428,12 @@ def test_stopping_mid_save_aborts_the_staging_and_joins_the_threads(make_server,
     directory = str(tmp_path / "ck")
     client = ctl.checkpoint_client()
     client.open(0, directory, ram_steps=1, ram_budget=None, sweep=True).result()
-    tmp = client.begin(0, Begin(directory, 3, "orbax")).result()
+    tmp = client.send(0, Begin(directory, 3, "orbax")).result()
     n = 1 << 18
     spec = spec_lib.LeafSpec(key_path=("w",), shape=(2, n), dtype=np.float32,
                            kind="np.ndarray", write_shape=(1, n))
     part, _ = ctl.worker(0).put(np.ones((1, n), np.float32))
-    client.stage(0, Stage(directory=directory, step=3, tmp_dir=tmp + "/default",
+    client.send(0, Stage(directory=directory, step=3, tmp_dir=tmp + "/default",
                           final_dir=directory + "/3/default", leaves=[spec],
                           shards=[staged(("w",), 0, ((0, 1), (0, n)), part)], last=False)).result()
     del part

@@ -17,8 +17,8 @@ import pytest
 from sidecar._src.ckptfmt import dir_fd, direct_io, records, registry as formats_lib
 from sidecar._src.ckptfmt.format import Format, Uncommitted
 from sidecar._src.ckptfmt.orbax.format import LeafNumbering
-from sidecar._src.ckptfmt.phases import Begin, Commit, Stage
 from sidecar._src.ckptfmt.records import shard_crc32c
+from sidecar._src.ckptfmt.save_values import Begin, Commit, Prepared, Stage
 from sidecar._src.ckptfmt.spec import LeafSpec
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
@@ -28,6 +28,7 @@ from sidecar._src.server.checkpoint import (
   roots as roots_lib,
   save as checkpoint_save,
 )
+from sidecar._src.server.checkpoint.caller import Caller
 from tests.support.staged import staged
 
 pytestmark = pytest.mark.unit
@@ -76,8 +77,8 @@ class NpyFormat(Format):
       sums.append(s.record.with_crc32c(shard_crc32c(s.data)))
     return sums
 
-  def commit(self, tmp_dir, manifest, *, leaves, num_hosts, whole_step, extra, swapping,
-             at=None):
+  def commit(self, commit, manifest, *, swapping, at=None):
+    tmp_dir = commit.tmp_dir
     direct_io.write_small(pathlib.Path(tmp_dir) / records.MANIFEST_FILE,
                           manifest.to_json().encode())
     final = tmp_dir.removesuffix(SUFFIX)
@@ -107,14 +108,15 @@ def test_a_new_format_is_one_subclass_and_one_registry_entry(tmp_path):
   w = np.arange(8, dtype=np.float32).reshape(4, 2)
   directory = str(tmp_path / "ck")
   writer.open(directory)
-  tmp = writer.begin(Begin(directory, 5, "npy"), owner="a")
+  tmp = writer.begin(Begin(directory, 5, "npy"), Caller(owner="a"))
   final = tmp.removesuffix(SUFFIX)
   writer.stage(Stage(directory, 5, tmp, final, [spec], [staged(("w",), 0, ((0, 2), (0, 2)), w[:2])],
-                     last=False), owner="a")
+                     last=False), Caller(owner="a"))
   writer.stage(Stage(directory, 5, tmp, final, [spec], [staged(("w",), 0, ((2, 4), (0, 2)), w[2:])],
-                     last=True), owner="a")
-  sums = writer.prepared(final, timeout=30)
-  assert writer.commit(Commit(tmp, 5, 1, [spec], sums, "", True), owner="a") == final
+                     last=True), Caller(owner="a"))
+  sums = writer.prepared(Prepared(final), Caller(wait_s=30))
+  assert writer.commit(Commit(tmp_dir=tmp, step=5, num_hosts=1, leaves=[spec], shards=sums,
+                              data_state_json="", whole_step=True), Caller(owner="a")) == final
   for t in threads:
     t.join(30)
   assert writer.open(directory) == [5]  # listed as a step: its format says it is one

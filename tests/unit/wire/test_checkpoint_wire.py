@@ -8,11 +8,19 @@ import pytest
 
 from sidecar._src.ckptfmt import spec as spec_lib
 from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart
-from sidecar._src.ckptfmt.phases import Begin, Commit, Stage
 from sidecar._src.ckptfmt.records import CommitPlan, ShardId, ShardRecord, Staged
+from sidecar._src.ckptfmt.save_values import (
+  Abort,
+  AwaitCommit,
+  Begin,
+  Commit,
+  Committed,
+  Prepared,
+  Stage,
+)
 from sidecar._src.core import errors
 from sidecar._src.server.checkpoint import links as links_lib
-from sidecar._src.wire import checkpoint_wire as wire
+from sidecar._src.wire import checkpoint_wire as wire, save_wire
 from sidecar._src.wire.protocol import ckpt_pb, pb
 
 pytestmark = pytest.mark.unit
@@ -56,7 +64,7 @@ def test_a_stage_carries_each_record_with_its_bytes_beside_it():
 
 
 def test_a_stage_survives_the_wire_as_the_same_value_every_field_of_it():
-  """A save's Stage phase is one value (``ckptfmt/phases.Stage``) the wire alone converts:
+  """A save's Stage phase is one value (``ckptfmt/save_values.Stage``) the wire alone converts:
   each field set (none at its default) comes back as sent."""
   a = np.arange(6, dtype=np.int16)
   spec = spec_lib.LeafSpec(key_path=("a",), shape=(6,), dtype=np.int16)
@@ -70,9 +78,9 @@ def test_a_stage_survives_the_wire_as_the_same_value_every_field_of_it():
   defaults = {f.name: f.default for f in dataclasses.fields(Stage)}
   assert all(getattr(stage, name) != default for name, default in defaults.items()
              if default is not dataclasses.MISSING), "a field left at its default"
-  request = _sent(wire.stage_to_pb(stage, worker_session="w1", to_arena=None))
+  request = _sent(save_wire.stage_to_pb(stage, worker_session="w1", to_arena=None))
   assert request.worker_session == "w1"  # the caller's, beside the value
-  got = wire.stage_from_pb(request, None)
+  got = save_wire.stage_from_pb(request, None)
   for name in defaults:
     if name != "shards":
       assert getattr(got, name) == getattr(stage, name), name
@@ -80,29 +88,29 @@ def test_a_stage_survives_the_wire_as_the_same_value_every_field_of_it():
   assert all(np.array_equal(g.data, s.data) for g, s in zip(got.shards, stage.shards))
   with pytest.raises(dataclasses.FrozenInstanceError):
     got.step = 8  # type: ignore[misc]
-  assert wire.stage_from_pb(_sent(wire.stage_to_pb(
+  assert save_wire.stage_from_pb(_sent(save_wire.stage_to_pb(
       Stage("/ckpt", 7, "/t", "/f", [], []), worker_session="", to_arena=None)), None
   ) == Stage("/ckpt", 7, "/t", "/f", [], [])  # the defaults come back as defaults
 
 
 def test_a_begin_survives_the_wire_as_the_same_value_every_field_of_it():
-  """A save's Begin phase is one value (``ckptfmt/phases.Begin``) the wire alone converts:
+  """A save's Begin phase is one value (``ckptfmt/save_values.Begin``) the wire alone converts:
   each field comes back as sent, the caller's worker session beside it; a Stage that
   begins its step carries the same value (its ``begin_format`` on the wire)."""
   begin = Begin(directory="/ckpt/run", step=7, format="dcp")
-  request = _sent(wire.begin_to_pb(begin, worker_session="w1"))
+  request = _sent(save_wire.begin_to_pb(begin, worker_session="w1"))
   assert (request.directory, request.step, request.format, request.worker_session) == (
       "/ckpt/run", 7, "dcp", "w1")
-  got = wire.begin_from_pb(request)
+  got = save_wire.begin_from_pb(request)
   assert got == begin
   with pytest.raises(dataclasses.FrozenInstanceError):
     got.format = "orbax"  # type: ignore[misc]
-  assert wire.begin_from_pb(_sent(wire.begin_to_pb(begin, worker_session=""))) == begin
+  assert save_wire.begin_from_pb(_sent(save_wire.begin_to_pb(begin, worker_session=""))) == begin
   stage = Stage("/ckpt/run", 7, "/ckpt/run.dcp-checkpoint-tmp", "/ckpt/run", [], [],
                 begin=begin)
-  request = _sent(wire.stage_to_pb(stage, worker_session="", to_arena=None))
+  request = _sent(save_wire.stage_to_pb(stage, worker_session="", to_arena=None))
   assert request.begin_format == "dcp"
-  assert wire.stage_from_pb(request, None).begin == begin
+  assert save_wire.stage_from_pb(request, None).begin == begin
 
 
 def test_a_stage_begins_only_its_own_step():
@@ -127,36 +135,62 @@ def test_a_phase_value_and_its_sequences_are_immutable():
   with pytest.raises(AttributeError):
     stage.shards.clear()  # type: ignore[attr-defined]
   record = ShardRecord(ShardId(("a",), ((0, 6),)), 0, 1, "int16", (6,), 12, crc32c=7)
-  commit = Commit("/t", 7, 2, [spec], [record], "", True, replicas={0: [1]})
+  commit = Commit(tmp_dir="/t", step=7, num_hosts=2, leaves=[spec], shards=[record],
+                  data_state_json="", whole_step=True, replicas={0: [1]})
   assert (commit.leaves, commit.shards, dict(commit.replicas or {})) == (
       (spec,), (record,), {0: (1,)})
   with pytest.raises(TypeError):
     commit.replicas[1] = (0,)  # type: ignore[index]
-  got = wire.stage_from_pb(_sent(wire.stage_to_pb(stage, worker_session="", to_arena=None)),
-                           None)
+  sent = save_wire.stage_to_pb(stage, worker_session="", to_arena=None)
+  got = save_wire.stage_from_pb(_sent(sent), None)
   assert isinstance(got.leaves, tuple) and isinstance(got.shards, tuple)
-  got_commit = wire.commit_from_pb(_sent(wire.commit_to_pb(commit)))
+  got_commit = save_wire.commit_from_pb(_sent(save_wire.commit_to_pb(commit)))
   assert isinstance(got_commit.shards, tuple) and got_commit == commit
 
 
 def test_a_commit_survives_the_wire_as_the_same_value_every_field_of_it():
-  """A save's Commit phase is one value (``ckptfmt/phases.Commit``) the wire alone converts:
+  """A save's Commit phase is one value (``ckptfmt/save_values.Commit``) the wire alone converts:
   each field set (none at its default) comes back as sent."""
   spec = spec_lib.LeafSpec(key_path=("a",), shape=(6,), dtype=np.int16)
   record = ShardRecord(ShardId(("a",), ((0, 6),)), 0, 1, "int16", (6,), 12, crc32c=7)
   commit = Commit(tmp_dir="/ckpt/7.dcp-checkpoint-tmp", step=7, num_hosts=2, leaves=[spec],
                   shards=[record], data_state_json='{"epoch": 2}', whole_step=False,
                   replicas={0: [1], 1: [0]},
-                  extra=DcpCommit(b"\x80\x04N.", {0: 12}, '{"storage": []}'), taken_over=True)
+                  extra=DcpCommit(b"\x80\x04N.", {0: 12}, '{"storage": []}'))
   defaults = {f.name: f.default for f in dataclasses.fields(Commit)}
   assert all(getattr(commit, name) != default for name, default in defaults.items()
              if default is not dataclasses.MISSING), "a field left at its default"
-  got = wire.commit_from_pb(_sent(wire.commit_to_pb(commit)))
+  got = save_wire.commit_from_pb(_sent(save_wire.commit_to_pb(commit)))
   assert got == commit
   with pytest.raises(dataclasses.FrozenInstanceError):
-    got.taken_over = False  # type: ignore[misc]
-  bare = Commit("/t", 7, 1, [], [], "", True)
-  assert wire.commit_from_pb(_sent(wire.commit_to_pb(bare))) == bare  # None: no replicas
+    got.whole_step = True  # type: ignore[misc]
+  bare = Commit(tmp_dir="/t", step=7, num_hosts=1, leaves=[], shards=[], data_state_json="",
+                whole_step=True)
+  assert save_wire.commit_from_pb(_sent(save_wire.commit_to_pb(bare))) == bare  # None: no replicas
+
+
+@pytest.mark.parametrize("value, method", [
+    (Begin("/ckpt", 7, "orbax"), "Begin"),
+    (Prepared("/ckpt/7/default", 30.0), "Prepared"),
+    (AwaitCommit("/ckpt/7.orbax-checkpoint-tmp/default", 7), "Commit"),
+    (Committed("/ckpt/7", '{"format": "dcp"}'), "Committed"),
+    (Abort("/ckpt/7.orbax-checkpoint-tmp", "/ckpt/7/default"), "Abort"),
+], ids=["begin", "prepared", "await-commit", "committed", "abort"])
+def test_each_save_value_goes_by_its_type_to_its_rpc_and_comes_back_the_same(value, method):
+  """The transport's one call sends every value of a save (``CheckpointTransport.send``):
+  the wire picks the rpc by the value's type, and the sidecar reads the same value back
+  (the wait for the sidecars' commit is its own value, a Commit request ``taken_over``)."""
+  name, request = save_wire.request_of(value, worker_session="w")
+  assert name == method
+  from_pb = {"Begin": save_wire.begin_from_pb, "Prepared": save_wire.prepared_from_pb,
+             "Commit": save_wire.commit_from_pb, "Committed": save_wire.committed_from_pb,
+             "Abort": save_wire.abort_from_pb}[name]
+  assert from_pb(_sent(request)) == value
+
+
+def test_a_value_that_is_no_save_value_is_refused_naming_it():
+  with pytest.raises(TypeError, match="ckptfmt/save_values.*'a path'"):
+    save_wire.request_of("a path")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("field, value, match", [

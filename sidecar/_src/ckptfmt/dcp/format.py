@@ -32,6 +32,7 @@ from sidecar._src.ckptfmt.dcp.parts import DcpCommit, DcpPart
 from sidecar._src.ckptfmt.dir_fd import DirFd
 from sidecar._src.ckptfmt.format import Allocate, Format, Numbering, Turn, Uncommitted
 from sidecar._src.ckptfmt.records import Manifest, ShardRecord, Staged
+from sidecar._src.ckptfmt.save_values import Commit
 from sidecar._src.ckptfmt.spec import LeafSpec
 from sidecar._src.core import dtypes as dtypes_lib, errors
 
@@ -155,17 +156,17 @@ class DcpFormat(Format):
     extra = _commit_extra(extra)
     return {"plan": extra.plan(), METADATA_CRC32C: crc32c_lib.crc32c(extra.metadata)}
 
-  def commit(self, tmp_dir: str, manifest: Manifest, *, leaves: Sequence[LeafSpec],
-             num_hosts: int, whole_step: bool, extra: Any,
-             swapping: Callable[[], None], at: DirFd | None = None) -> str:
+  def commit(self, commit: Commit, manifest: Manifest, *, swapping: Callable[[], None],
+             at: DirFd | None = None) -> str:
     """Writes the manifest and DCP's ``.metadata`` (as the trainer pickled it), renames
-    (swapping in one step with a committed checkpoint at the path)."""
-    del leaves, num_hosts, whole_step  # every rank's file size is checked instead
+    (swapping in one step with a committed checkpoint at the path). Every rank's file
+    size is checked, not ``commit``'s leaves and host count."""
+    tmp_dir = commit.tmp_dir
     if not tmp_dir.endswith(distcp.TMP_SUFFIX):
       raise errors.InvalidArgumentError(
           f"tmp_dir {tmp_dir!r:.200} is not an uncommitted DCP step directory "
           f"(*{distcp.TMP_SUFFIX})")
-    extra = _commit_extra(extra)
+    extra = _commit_extra(commit.extra)
     return str(dcp_commit.finalize(tmp_dir, metadata=extra.metadata, file_sizes=extra.file_sizes,
                                manifest=manifest, swapping=swapping, at=at))
 

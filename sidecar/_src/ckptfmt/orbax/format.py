@@ -30,6 +30,7 @@ from sidecar._src.ckptfmt.orbax import (
   write as orbax_write,
 )
 from sidecar._src.ckptfmt.records import Manifest, ShardId, ShardRecord, Staged
+from sidecar._src.ckptfmt.save_values import Commit
 from sidecar._src.ckptfmt.spec import (
   COMMIT_SUCCESS_FILE,
   ITEM,
@@ -147,13 +148,14 @@ class OrbaxFormat(Format):
     return orbax_write.write_item_part(tmp_dir, host_id, numbering.leaves, incoming,
                                        progress=progress, turn=turn)
 
-  def commit(self, tmp_dir: str, manifest: Manifest, *, leaves: Sequence[LeafSpec],
-             num_hosts: int, whole_step: bool, extra: Any,
-             swapping: Callable[[], None], at: DirFd | None = None) -> str:
+  def commit(self, commit: Commit, manifest: Manifest, *, swapping: Callable[[], None],
+             at: DirFd | None = None) -> str:
     """The manifest, the checks and the metadata files; with ``whole_step`` the step's
     rename (the rename acts on ``tmp_dir``'s parent, the tmp step directory), else the
-    item is done and the Orbax CheckpointManager that owns the step commits it."""
-    del extra  # no overwrite: one rename (``swapping`` runs just before it)
+    item is done and the Orbax CheckpointManager that owns the step commits it. No
+    overwrite: one rename (``swapping`` runs just before it); no extra."""
+    tmp_dir, leaves, num_hosts = commit.tmp_dir, commit.leaves, commit.num_hosts
+    whole_step = commit.whole_step
     if whole_step and not pathlib.Path(tmp_dir).parent.name.endswith(TMP_SUFFIX):
       raise errors.InvalidArgumentError(
           f"tmp_dir {tmp_dir!r:.200} is not in an uncommitted step directory (*{TMP_SUFFIX})")

@@ -1,4 +1,5 @@
-"""The controller's side of the ``sidecar.v1.Checkpoint`` service: one typed method per phase.
+"""The controller's side of the ``sidecar.v1.Checkpoint`` service: one call for a save's
+values, one typed method for each other request.
 
 :class:`CheckpointTransport` is what a
 :class:`~sidecar._src.controller.checkpoint.checkpointer.Checkpointer` talks to: each phase
@@ -28,7 +29,6 @@ from typing import Any
 import grpc
 import numpy as np
 
-from sidecar._src.ckptfmt.phases import Begin, Commit, Stage
 from sidecar._src.ckptfmt.records import (
   Held,
   Manifest,
@@ -38,10 +38,11 @@ from sidecar._src.ckptfmt.records import (
   ShardRecord,
   Staged,
 )
+from sidecar._src.ckptfmt.save_values import SaveValue, Stage
 from sidecar._src.ckptfmt.tiers import Tier
 from sidecar._src.controller.checkpoint import ram_drop
 from sidecar._src.core import errors
-from sidecar._src.wire import checkpoint_wire as wire, codec, protocol
+from sidecar._src.wire import checkpoint_wire as wire, codec, protocol, save_wire
 from sidecar._src.wire.protocol import ckpt_pb, pb
 
 # ckptfmt/records' types (both halves'), named here as well.
@@ -246,39 +247,12 @@ class CheckpointTransport(abc.ABC):
     it, as another job's refusal names it."""
 
   @abc.abstractmethod
-  def begin(self, host: int, begin: Begin) -> concurrent.futures.Future:
-    """Future of the step's tmp directory, once ``host`` began ``begin``
-    (``ckptfmt/phases.Begin``: its fields say what each means)."""
-
-  @abc.abstractmethod
-  def stage(self, host: int, stage: Stage) -> concurrent.futures.Future:
-    """Future of the bytes of the step staged on ``host`` so far, once it took ``stage``
-    (``ckptfmt/phases.Stage``: its fields say what each means). A ``stage`` with a
+  def send(self, host: int, value: SaveValue, *, timeout: float | None = None
+           ) -> concurrent.futures.Future:
+    """Future of ``host``'s answer to ``value``, one of a step's save's values
+    (``ckptfmt/save_values``, whose docstring gives their order and what each answers),
+    within ``timeout`` seconds (None: the transport's default). A :class:`Stage` with a
     ``begin`` begins the step there first: its call is waited for at once."""
-
-  @abc.abstractmethod
-  def prepared(self, host: int, final_dir: str, *, timeout: float
-               ) -> concurrent.futures.Future:
-    """Future of ``host``'s shards of the step, once written: their records, each with
-    its crc32c."""
-
-  @abc.abstractmethod
-  def commit(self, host: int, commit: Commit, *, timeout: float) -> concurrent.futures.Future:
-    """Future of the committed directory, once ``host`` committed ``commit``
-    (``ckptfmt/phases.Commit``: its fields say what each means). With ``taken_over``, the
-    future holds the commit the sidecars agree on, or its failure."""
-
-  @abc.abstractmethod
-  def committed(self, host: int, final_dir: str, manifest_json: str = ""
-                ) -> concurrent.futures.Future:
-    """Future of the steps ``host``'s RAM tier keeps (``manifest_json``: a DCP step's)."""
-
-  @abc.abstractmethod
-  def abort(self, host: int, tmp_dir: str, final_dir: str, *, timeout: float
-            ) -> concurrent.futures.Future:
-    """Future of "" once ``host`` dropped the save and removed ``tmp_dir``; of where the
-    step is committed, if ``host`` committed it (its commit had begun before the abort
-    came): nothing of it was removed then."""
 
   @abc.abstractmethod
   def delete(self, host: int, directory: str, step: int, *, set_aside: bool = False
@@ -401,35 +375,16 @@ class CheckpointClient(CheckpointTransport):
       request.ram_budget = ram_budget
     return self._rpc(host, "Open", request, lambda r: list(r.steps))
 
-  def begin(self, host, begin):
-    w = self._worker(host)  # the save is in flight there while this worker is attached
-    return self._rpc(host, "Begin", wire.begin_to_pb(
-        begin, worker_session=w.session if w is not None else ""), lambda r: r.tmp_directory)
-
-  def stage(self, host, stage):
-    w = self._worker(host)
-    request = wire.stage_to_pb(stage, worker_session=w.session if w is not None else "",
-                               to_arena=w.ref_of if w is not None else None)
-    # A Stage that begins its step is waited for at once (save() waits for its answer).
-    return self._rpc(host, "Stage", request, lambda r: r.staged_bytes,
-                     held=[s.data for s in stage.shards], now=stage.begin is not None)
-
-  def prepared(self, host, final_dir, *, timeout):
-    return self._rpc(host, "Prepared", ckpt_pb.CheckpointPreparedRequest(
-        final_dir=final_dir, timeout_s=timeout),
-        lambda r: [wire.record_from_pb(c, "record") for c in r.records], timeout=timeout)
-
-  def commit(self, host, commit, *, timeout):
-    return self._rpc(host, "Commit", wire.commit_to_pb(commit), lambda r: r.committed,
-                     timeout=timeout)
-
-  def committed(self, host, final_dir, manifest_json=""):
-    return self._rpc(host, "Committed", ckpt_pb.CheckpointCommittedRequest(
-        final_dir=final_dir, manifest_json=manifest_json), lambda r: list(r.kept_steps))
-
-  def abort(self, host, tmp_dir, final_dir, *, timeout):
-    return self._rpc(host, "Abort", ckpt_pb.CheckpointAbortRequest(
-        tmp_dir=tmp_dir, final_dir=final_dir), lambda r: r.committed, timeout=timeout)
+  def send(self, host, value, *, timeout=None):
+    w = self._worker(host)  # a Begin's or Stage's save is in flight while it is attached
+    method, request = save_wire.request_of(value, worker_session=w.session if w is not None else "",
+                                      to_arena=w.ref_of if w is not None else None)
+    stage = value if isinstance(value, Stage) else None
+    # A Stage's blocks are kept until it answered; one that begins its step is waited for
+    # at once (save() waits for its answer).
+    return self._rpc(host, method, request, functools.partial(save_wire.answer_from_pb, value),
+                     timeout=timeout, held=[s.data for s in stage.shards] if stage else None,
+                     now=stage is not None and stage.begin is not None)
 
   def delete(self, host, directory, step, *, set_aside=False):
     return self._rpc(host, "Delete", ckpt_pb.CheckpointDeleteRequest(

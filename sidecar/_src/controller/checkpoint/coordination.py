@@ -49,7 +49,7 @@ class Coordination(abc.ABC):
 
   @abc.abstractmethod
   def commit(self, step: int, error: BaseException | None,
-             commit: Callable[[Sequence[int]], None], abort: Callable[[], None]) -> None:
+             commit: Callable[[Sequence[int]], object], abort: Callable[[], None]) -> None:
     """Commits the step once, or aborts it everywhere; raises in every process where the
     save failed in any. ``error``: this process's failure so far (None: its hosts are
     prepared). ``commit(others)``: the commit, on the process that commits, given the
@@ -97,7 +97,7 @@ class KeyValue(Coordination):
           else dataclasses.asdict(dataclasses.replace(begun, with_stage=False))))
 
   def commit(self, step: int, error: BaseException | None,
-             commit: Callable[[Sequence[int]], None], abort: Callable[[], None]) -> None:
+             commit: Callable[[Sequence[int]], object], abort: Callable[[], None]) -> None:
     """Process 0 gathers every process's outcome, then commits once (or waits for the
     sidecars' commit) or aborts.
 
@@ -146,7 +146,7 @@ class Coordinator(Coordination):
     return begin()
 
   def commit(self, step: int, error: BaseException | None,
-             commit: Callable[[Sequence[int]], None], abort: Callable[[], None]) -> None:
+             commit: Callable[[Sequence[int]], object], abort: Callable[[], None]) -> None:
     try:
       if error is not None:
         raise error

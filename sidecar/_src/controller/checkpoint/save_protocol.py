@@ -1,18 +1,15 @@
 """The save protocol on the sidecars, once for every framework and format: where a step
-goes (:class:`Target`) and the calls of each phase on it (:class:`SaveProtocol`).
+goes (:class:`Target`) and the calls that send its values there (:class:`SaveProtocol`).
 
-A :class:`Target` is the address every phase's call takes: the step's directories, which
+A :class:`Target` is the address every call takes: the step's directories, which
 are its format's (``ckptfmt.Format``; a Target places nothing itself, so a new format with
 any layout changes nothing here), its tmp ones Begin's answer.
 
-:class:`SaveProtocol` is the format-neutral save of one step on the sidecars, phase by
-phase, each on the hosts it is given: begin (the tmp directory), stage a host's lots
-(:class:`Sends`; with a ``CommitPlan`` on each host's last lot the sidecars commit the
-step among themselves once it is whole everywhere, its trainers there or not: then the
-commit only waits for theirs), prepared (each host's shards' records once written),
-commit once or abort everywhere, mark committed, replicate. One save step
-(``save_run.SaveRun``) calls them in the same order for every framework, and decides
-between them what follows what.
+:class:`SaveProtocol` sends a step's save values (``ckptfmt/save_values``, whose docstring
+gives their order) on the hosts it is given, format-neutral, and keeps the order an abort
+goes in; :class:`Sends` is its lot pipeline, each lot a Stage as a :class:`Staging` says.
+One save step (``save_run.SaveRun``) builds the values, in the same order for every
+framework, and decides between the calls what follows what.
 """
 
 from __future__ import annotations
@@ -27,11 +24,18 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from sidecar._src.arena import shm
-from sidecar._src.ckptfmt import spec as spec_lib
 from sidecar._src.ckptfmt.format import Format
-from sidecar._src.ckptfmt.phases import Begin, Commit, Stage
-from sidecar._src.ckptfmt.records import CommitPlan, Replicated, ShardRecord
-from sidecar._src.controller.checkpoint.client import CheckpointTransport, FormatExtra
+from sidecar._src.ckptfmt.records import Replicated, ShardRecord
+from sidecar._src.ckptfmt.save_values import (
+  Abort,
+  AwaitCommit,
+  Begin,
+  Commit,
+  Committed,
+  Prepared,
+  Stage,
+)
+from sidecar._src.controller.checkpoint.client import CheckpointTransport
 from sidecar._src.controller.checkpoint.staging import Lot
 from sidecar._src.core import errors
 
@@ -88,23 +92,49 @@ class Target:
     return cls(directory, step, tmp_dir, final, False, "", fmt)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class BeginWithStage:
-  """A step begun by its first Stage on the host that begins it, not by a Begin of its own
-  (one round trip less): that Stage carries ``begin``; ``told(error)`` is called once it
-  answered (``error`` None: the step is begun there, its tmp directory made) or failed
-  (then it was never begun there)."""
-  begin: Begin
-  told: Callable[[BaseException | None], None]
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Staging:
+  """How one save's lots go to its sidecars (:class:`Sends`): each of ``hosts`` is sent its
+  lots as Stages made of ``first``, the Stage of a host's first lot without its shards (the
+  step's directories, its leaves, the format's extra, the plan a host's last lot carries
+  where the sidecars commit the step, and the Begin where the first lot begins it). A
+  host's later lots are ``first`` without leaves and Begin, a lot not a host's last
+  without the plan; each says how many processes stage into its host (``writers``).
+
+  ``told(error)``, with ``first.begin`` (one host only): called once the first lot
+  answered (``error`` None: the step is begun there) or failed (then it was never begun);
+  only that lot begins the step, so it is told once.
+  ``whole()``: called once every host's last call answered (on the thread its answer came
+  on)."""
+  hosts: Sequence[int]
+  first: Stage
+  told: Callable[[BaseException | None], None] = lambda error: None
+  whole: Callable[[], None] | None = None
+
+  def __post_init__(self) -> None:
+    object.__setattr__(self, "hosts", tuple(self.hosts))
+    if self.first.begin is not None and len(self.hosts) != 1:
+      raise errors.InvalidArgumentError(
+          f"a step begun by its first Stage is staged on one host, got hosts {list(self.hosts)}")
+
+  def stage_of(self, lot: Lot, first: bool, writers: int) -> Stage:
+    """The Stage that sends ``lot`` (``first``: its host's first), ``writers`` processes
+    staging into its host."""
+    return dataclasses.replace(
+        self.first, shards=lot.shards, last=lot.last, writers=writers,
+        leaves=self.first.leaves if first else (),
+        plan=self.first.plan if lot.last else None,
+        begin=self.first.begin if first else None)
 
 
 class SaveProtocol:
-  """The phases of one step's save on the sidecars, each on the hosts it is given.
+  """The calls of one step's save on the sidecars, each on the hosts it is given; the
+  values each sends are ``ckptfmt/save_values``' (whose docstring gives their order).
 
   Format-neutral: a format's extra on a request travels as a typed value
   (``client.FormatExtra``: ``ckptfmt/dcp``'s ``DcpPart``/``DcpCommit``; none for stock
-  Orbax's layout), never as a branch here. The caller agrees with the other trainer processes
-  between phases.
+  Orbax's layout), never as a branch here. The caller coordinates with the other trainer
+  processes between the calls.
 
   Args:
     client: the sidecars.
@@ -125,68 +155,22 @@ class SaveProtocol:
     checkpoint directory, or a one-directory checkpoint's own path (its tmp one beside
     it)."""
     try:
-      return self.client.begin(host, begin).result()
+      return self.client.send(host, begin).result()
     except errors.SidecarError as e:
       e.add_note(f"host {host} could not begin step {begin.step} in {begin.directory}")
       raise
 
-  def sends(self, target: Target, *, hosts: Sequence[int],
-            leaves: Sequence[spec_lib.LeafSpec] = (), extra: FormatExtra | None = None,
-            rest: FormatExtra | None = None, plan: CommitPlan | None = None,
-            begin: BeginWithStage | None = None, whole: Callable[[], None] | None = None
-            ) -> Sends:
-    """The stage calls of one save on ``hosts``, made as its lots are put
-    (:class:`Sends`). A host's first lot carries ``leaves`` and the format's ``extra``,
-    its later ones ``rest``, its last one ``plan`` (the sidecars commit the step).
-    ``begin``: the first lot begins the step (one host only). ``whole()``: called once
-    every host's last call answered (on the thread its answer came on)."""
-    return Sends(self, target, hosts=hosts, leaves=leaves, extra=extra, rest=rest, plan=plan,
-                 begin=begin, whole=whole)
-
-  def stage(self, target: Target, lots: queue.SimpleQueue, *, hosts: Sequence[int],
-            leaves: Sequence[spec_lib.LeafSpec] = (), extra: FormatExtra | None = None,
-            rest: FormatExtra | None = None, plan: CommitPlan | None = None,
-            begin: BeginWithStage | None = None, whole: Callable[[], None] | None = None
-            ) -> None:
-    """Hands the lots ``lots`` holds (``staging.Lot``s, as ``staging.Lots`` puts them;
-    an exception aborts) to their sidecars as they come, until each of ``hosts`` had its
-    last (:meth:`sends`): with ``plan``, each host has then taken the step over. With
-    ``begin``, the first lot begins the step on the one host; ``whole()`` is called as
-    soon as every host's last call answered (before this returns)."""
-    sends = self.sends(target, hosts=hosts, leaves=leaves, extra=extra, rest=rest, plan=plan,
-                       begin=begin, whole=whole)
-    try:
-      while not sends.done:
-        got: Lot | BaseException = lots.get()  # no other local holds the shards, as
-        if isinstance(got, BaseException):  # the raise would keep them in its frame
-          raise got
-        sends.put(got)
-    except BaseException:
-      sends.settle()
-      raise
-    sends.wait()
-
   def prepared(self, target: Target, hosts: Sequence[int]) -> list[ShardRecord]:
     """Waits for ``hosts`` to write their parts; returns their shards' records, written."""
-    prepared = [f.result() for f in [self.client.prepared(h, target.final_dir, timeout=LONG_S)
-                                     for h in hosts]]
+    wait = Prepared(target.final_dir, LONG_S)
+    prepared = [f.result() for f in [self.client.send(h, wait, timeout=LONG_S) for h in hosts]]
     return [c for host_sums in prepared for c in host_sums]
 
-  def commit(self, host: int, target: Target, *, num_hosts: int,
-             shards: Sequence[ShardRecord], leaves: Sequence[spec_lib.LeafSpec] = (),
-             data_state_json: str = "", replicas: Mapping[int, Sequence[int]] | None = None,
-             extra: FormatExtra | None = None) -> str:
-    """``host`` commits the step (every host prepared); returns the committed directory."""
-    return self.client.commit(host, Commit(
-        target.tmp_dir, target.step, num_hosts, list(leaves), shards, data_state_json,
-        target.whole_step, {h: p for h, p in (replicas or {}).items() if p} or None, extra),
-        timeout=LONG_S).result()
-
-  def await_commit(self, host: int, target: Target) -> str:
-    """Waits for the commit the sidecars agree on of a step they took over, ``host`` its
-    committer; returns the committed directory, or raises why it was abandoned."""
-    return self.client.commit(host, Commit(target.tmp_dir, target.step, 1, [], [], "", True,
-                                           taken_over=True), timeout=LONG_S).result()
+  def commit(self, host: int, commit: Commit | AwaitCommit) -> str:
+    """``host`` commits the step (every host prepared), or, given the wait for the commit
+    the sidecars agree on of a step they took over (``host`` its committer), waits for it;
+    returns the committed directory, or raises why it was abandoned."""
+    return self.client.send(host, commit, timeout=LONG_S).result()
 
   def abort(self, target: Target, hosts: Sequence[int], *, committer: int | None = None
             ) -> str | None:
@@ -213,7 +197,8 @@ class SaveProtocol:
     futures: dict[int, concurrent.futures.Future] = {}
 
     def abort_on(h: int) -> concurrent.futures.Future:
-      futures[h] = self.client.abort(h, target.tmp_dir, target.final_dir, timeout=_ABORT_S)
+      futures[h] = self.client.send(h, Abort(target.tmp_dir, target.final_dir),
+                                    timeout=_ABORT_S)
       return futures[h]
 
     lost = (f"step {target.step} is not saved, as expected when a host is lost during a "
@@ -242,7 +227,7 @@ class SaveProtocol:
     tmp = target.tmp_step
     if target.whole_step and done and tmp and tmp != target.tmp_dir and not committed:
       # Every host is done with the step: its tmp directory goes.
-      on_each(lambda h: self.client.abort(h, tmp, target.final_dir, timeout=_ABORT_S),
+      on_each(lambda h: self.client.send(h, Abort(tmp, target.final_dir), timeout=_ABORT_S),
               hosts=done, what=f"remove step {target.step}'s tmp files")
     return next(iter(committed.values()), "")
 
@@ -273,8 +258,8 @@ class SaveProtocol:
     """Tells ``hosts``' RAM tiers the step is visible (``manifest_json``: its manifest,
     where the committing sidecar alone wrote it: a DCP step's)."""
     # Durable all the same where a host does not answer: a lost host's RAM tier is gone anyway.
-    extra = {"manifest_json": manifest_json} if manifest_json else {}
-    on_each(lambda h: self.client.committed(h, target.final_dir, **extra), hosts=hosts,
+    told = Committed(target.final_dir, manifest_json)
+    on_each(lambda h: self.client.send(h, told), hosts=hosts,
             what=f"mark step {target.step} committed in the RAM tier")
 
   def start_replication(self, target: Target, placement: Mapping[int, Sequence[int]], *,
@@ -315,21 +300,12 @@ class SaveProtocol:
 
 
 class Sends:
-  """One save's stage calls on its hosts, each lot sent as it is put (on the putting
-  thread: a finisher's, or the copy's own under ``SaveRun.stage_copies``), a host's
-  lots in order (each waits for the host's previous call to be answered)."""
+  """One save's stage calls on its hosts (:class:`Staging`), each lot sent as it is put (on
+  the putting thread: a finisher's, or the copy's own under ``SaveRun.stage_copies``), a
+  host's lots in order (each waits for the host's previous call to be answered)."""
 
-  def __init__(self, protocol: SaveProtocol, target: Target, *, hosts: Sequence[int],
-               leaves: Sequence[spec_lib.LeafSpec], extra: FormatExtra | None,
-               rest: FormatExtra | None, plan: CommitPlan | None = None,
-               begin: BeginWithStage | None = None, whole: Callable[[], None] | None = None):
-    if begin is not None and len(hosts) != 1:
-      raise errors.InvalidArgumentError(
-          f"a step begun by its first Stage is staged on one host, got hosts {list(hosts)}")
-    self._protocol, self._target, self._hosts = protocol, target, list(hosts)
-    self._leaves, self._extra, self._rest, self._plan = list(leaves), extra, rest, plan
-    self._begin = begin
-    self._whole = whole
+  def __init__(self, protocol: SaveProtocol, staging: Staging):
+    self._protocol, self._staging = protocol, staging
     self._answered = 0  # hosts whose last call answered
     self._lock = threading.Lock()
     self._last: dict[int, concurrent.futures.Future] = {}  # per host, its latest call
@@ -339,7 +315,7 @@ class Sends:
   @property
   def done(self) -> bool:
     """Whether every host had its last lot."""
-    return self._closed >= len(self._hosts)
+    return self._closed >= len(self._staging.hosts)
 
   def put(self, got: Lot | BaseException) -> None:
     """Sends ``got`` to its host; an exception fails the save (``wait`` raises it)."""
@@ -352,23 +328,19 @@ class Sends:
     first = host not in self._last
     if not first:
       self._last[host].result()  # a host's lots arrive in order
-    begin, self._begin = self._begin, None  # the first lot's, once
-    p, t = self._protocol, self._target
+    stage = self._staging.stage_of(
+        got, first, len(self._protocol.writers.get(host, ())) or 1)
     try:
-      self._last[host] = p.client.stage(host, Stage(
-          p.directory, t.step, t.tmp_dir, t.final_dir, self._leaves if first else [],
-          list(got.shards), got.last, len(p.writers.get(host, ())) or 1,
-          self._extra if first else self._rest, self._plan if got.last else None,
-          begin.begin if begin is not None else None))
-      if begin is not None:  # the step is begun once this answers: say so at once
+      self._last[host] = self._protocol.client.send(host, stage)
+      if stage.begin is not None:  # the step is begun once this answers: say so at once
         self._last[host].result()
     except BaseException as e:
-      if begin is not None:
-        begin.told(e)
+      if stage.begin is not None:
+        self._staging.told(e)
       raise
-    if begin is not None:
-      begin.told(None)
-    if got.last and self._whole is not None:
+    if stage.begin is not None:
+      self._staging.told(None)
+    if got.last and self._staging.whole is not None:
       self._last[host].add_done_callback(self._last_answered)
     self._closed += got.last
 
@@ -379,9 +351,25 @@ class Sends:
       return
     with self._lock:
       self._answered += 1
-      now = self._answered == len(self._hosts) and self._error is None
-    if now and self._whole is not None:
-      self._whole()
+      now = self._answered == len(self._staging.hosts) and self._error is None
+    if now and self._staging.whole is not None:
+      self._staging.whole()
+
+  def drain(self, lots: queue.SimpleQueue) -> None:
+    """Sends the lots ``lots`` holds (``staging.Lot``s, as ``staging.Lots`` puts them;
+    an exception aborts) as they come, until each of the hosts had its last: with a plan,
+    each host has then taken the step over. ``whole()`` is called as soon as every host's
+    last call answered (before this returns)."""
+    try:
+      while not self.done:
+        got: Lot | BaseException = lots.get()  # no other local holds the shards, as
+        if isinstance(got, BaseException):  # the raise would keep them in its frame
+          raise got
+        self.put(got)
+    except BaseException:
+      self.settle()
+      raise
+    self.wait()
 
   def settle(self) -> None:
     """Waits for every call sent, answered or failed: the abort that follows must reach

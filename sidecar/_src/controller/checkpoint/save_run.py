@@ -41,14 +41,15 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from sidecar._src.ckptfmt import spec as spec_lib
-from sidecar._src.ckptfmt.phases import Begin
-from sidecar._src.ckptfmt.records import CommitPlan, ShardRecord
+from sidecar._src.ckptfmt.records import CommitPlan
+from sidecar._src.ckptfmt.save_values import AwaitCommit, Begin, Commit, Stage
 from sidecar._src.controller.checkpoint.client import FormatExtra
 from sidecar._src.controller.checkpoint.coordination import Begun, Coordination, describe
 from sidecar._src.controller.checkpoint.retention import Retention
 from sidecar._src.controller.checkpoint.save_protocol import (
-  BeginWithStage,
   SaveProtocol,
+  Sends,
+  Staging,
   Target,
 )
 from sidecar._src.controller.checkpoint.staging import Lots, ShardCopy, allocate, copy_in
@@ -233,13 +234,14 @@ class SaveRun:
     the step over before it answers: once ``staged`` resolves in every process, the step
     is the sidecars' to commit, whatever happens to the trainers."""
     self.plan = self._plan(data_state_json)
-    first = self._first_stage_begins if self._begun.with_stage else None
-    begin = BeginWithStage(first, self._told_begun) if first is not None else None
+    begin = self._first_stage_begins if self._begun.with_stage else None
     try:
       # staged resolves as the last Stage's answer comes (on its thread: save(), waiting
       # for it, need not wait for this one to wake too).
-      self.protocol.stage(self.target, lots, hosts=self.local, leaves=leaves, plan=self.plan,
-                          begin=begin, whole=self._staged)
+      t = self.target
+      Sends(self.protocol, Staging(hosts=self.local, first=Stage(
+          self.protocol.directory, t.step, t.tmp_dir, t.final_dir, leaves=leaves, plan=self.plan,
+          begin=begin), told=self._told_begun, whole=self._staged)).drain(lots)
     except BaseException as e:
       self._told_begun(e)  # where its first Stage never went: the others are not left waiting
       raise
@@ -273,16 +275,17 @@ class SaveRun:
                       replicas={h: tuple(p) for h, p in self._placement.items()})
 
   def stage_copies(self, host: int, copies: list[ShardCopy], *,
-                   extra: FormatExtra | None = None, rest: FormatExtra | None = None,
-                   threads: int | None = None) -> None:
+                   extra: FormatExtra | None = None, threads: int | None = None) -> None:
     """Stages this process's shards ``copies`` on ``host``, on the calling thread: those
     in no arena yet copied into blocks of the host's (allocated in one request) by the
     one stager (``staging.copy_in``), each lot sent to the sidecar as soon as it is
-    copied. On a failure (Ctrl-C too, between two copies) the host's part is dropped
-    again, and it raises. ``copies`` is emptied: its blocks are the sidecar's once
-    staged."""
+    copied, each with the format's ``extra``. On a failure (Ctrl-C too, between two
+    copies) the host's part is dropped again, and it raises. ``copies`` is emptied: its
+    blocks are the sidecar's once staged."""
     t0 = time.perf_counter()
-    sends = self.protocol.sends(self.target, hosts=[host], extra=extra, rest=rest)
+    t = self.target
+    sends = Sends(self.protocol, Staging(hosts=[host], first=Stage(
+        self.protocol.directory, t.step, t.tmp_dir, t.final_dir, extra=extra)))
     lots = Lots([host], sends.put)
     try:
       try:
@@ -321,10 +324,17 @@ class SaveRun:
           written = self.protocol.prepared(self.target, self.local)
       except BaseException as e:  # every process must reach the commit's agreement
         error = e.with_traceback(None)  # its frames would hold the staged blocks
-    commit: Callable[[Sequence[int]], None] = (
-        functools.partial(self._commit, written, leaves=leaves,
-                          data_state_json=data_state_json, extra=extra) if plan is None
-        else functools.partial(self._await_commit, plan))
+    t = self.target
+    commit: Callable[[Sequence[int]], object]
+    if plan is None:  # once every host wrote (``others``: those other processes staged into)
+      mine = Commit(tmp_dir=t.tmp_dir, step=t.step, num_hosts=len(self.hosts), shards=written,
+                    leaves=leaves, data_state_json=data_state_json, whole_step=t.whole_step,
+                    replicas=self._placement or None, extra=extra)
+      commit = lambda others: self.protocol.commit(self.local[0], dataclasses.replace(
+          mine, shards=[*mine.shards, *self.protocol.prepared(t, others)]))
+    else:  # the sidecars commit the step they took over (``others`` is theirs to gather)
+      wait, on = AwaitCommit(t.tmp_dir, t.step), plan.committer
+      commit = lambda others: self.protocol.commit(on, wait)
     aborted: list[str | None] = []  # where the abort found the step committed, if it ran
     # Asked first (``SaveProtocol.abort``): the sidecars' committer, or the one we commit through.
     committer = plan.committer if plan is not None else self.local[0] if self.local else None
@@ -362,19 +372,6 @@ class SaveRun:
       log.warning("step %d was committed all the same, but the RAM tiers of hosts %s could "
                   "not be told: %s; restores read it from storage", self.step, list(told),
                   str(e))
-
-  def _await_commit(self, plan: CommitPlan, others: Sequence[int]) -> None:
-    """The sidecars' commit of the step they took over (``others`` is theirs to gather)."""
-    del others
-    self.protocol.await_commit(plan.committer, self.target)
-
-  def _commit(self, written: list[ShardRecord], others: Sequence[int], *,
-              leaves: Sequence[spec_lib.LeafSpec], data_state_json: str,
-              extra: FormatExtra | None) -> None:
-    shards = [*written, *self.protocol.prepared(self.target, others)]
-    self.protocol.commit(self.local[0], self.target, num_hosts=len(self.hosts),
-                         shards=shards, leaves=leaves, data_state_json=data_state_json,
-                         replicas=self._placement, extra=extra)
 
   def mark_committed(self, hosts: Sequence[int]) -> None:
     """Tells ``hosts``' RAM tiers the step is visible (with the manifest where the

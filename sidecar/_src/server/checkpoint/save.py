@@ -35,9 +35,8 @@ from typing import Any
 from sidecar._src.ckptfmt import direct_io, records, registry as formats_lib
 from sidecar._src.ckptfmt.direct_io import Turn
 from sidecar._src.ckptfmt.format import Format, Uncommitted
-from sidecar._src.ckptfmt.phases import Begin, Commit, Stage
 from sidecar._src.ckptfmt.records import AgreePhase, Manifest, ShardRecord, Staged
-from sidecar._src.ckptfmt.spec import LeafSpec
+from sidecar._src.ckptfmt.save_values import Abort, Begin, Commit, Prepared, Stage
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
 from sidecar._src.server.checkpoint import (
@@ -49,6 +48,7 @@ from sidecar._src.server.checkpoint import (
   step_dirs,
   write as write_lib,
 )
+from sidecar._src.server.checkpoint.caller import Caller
 
 log = logging.getLogger(__name__)
 
@@ -118,40 +118,38 @@ class StepWriter:
             f"on host {self._host_id} after {wait_s:g} s; open the directory again once it "
             "is (its write goes on)")
 
-  def begin(self, begin: Begin, *, owner: str = "",
-            alive: Callable[[], bool] | None = None) -> str:
+  def begin(self, begin: Begin, caller: Caller) -> str:
     """Creates the step's uncommitted directory (anew), as ``begin``'s format (the wire's
     Begin always names one) names it: "orbax": ``<directory>/<step>.orbax-checkpoint-tmp``;
     "dcp": ``<directory>.dcp-checkpoint-tmp`` (a committed checkpoint at ``directory`` is
     replaced at the commit, as DCP overwrites). ``begin`` is the trainer's, as it sent it
-    (``ckptfmt/phases``); ``owner`` and ``alive`` are what this sidecar knows of the call.
+    (``ckptfmt/save_values``); ``caller`` is what this sidecar knows of who sent it.
     Refused while another save of the step is in flight (it would remove that save's
     files): another session's from its Begin on (``Begun``), until it is committed or
-    aborted or its trainer is gone (``alive``: whether the worker of the session
-    ``owner`` is attached; None: not known); another checkpointer's of this session once
-    it staged."""
-    made, finish = self._begin(begin, owner, alive, None)
+    aborted or its trainer is gone (``caller.alive``: whether the worker of the session
+    ``caller.owner`` is attached; None: not known); another checkpointer's of this
+    session once it staged."""
+    made, finish = self._begin(begin, caller, None)
     try:
       finish()
     except BaseException:
       self._begins.unreserve(
-          pathlib.Path(self.tmp_of(begin.directory, begin.step, begin.format)), owner)
+          pathlib.Path(self.tmp_of(begin.directory, begin.step, begin.format)), caller.owner)
       raise
     return made
 
-  def begin_staged(self, begin: Begin, tmp_dir: str, *, owner: str = "",
-                   alive: Callable[[], bool] | None = None
-                   ) -> tuple[str, Callable[[], None]]:
-    """:meth:`begin` by a Stage (its first part, which carries ``begin``: one round trip
-    less), which writes into ``tmp_dir``: that must be where a save writes in the
-    directory made (refused before anything is made if not). Returns the step's
-    uncommitted directory, made, and what finishes it (``Format.begin_tmp``):
+  def begin_staged(self, stage: Stage, caller: Caller) -> tuple[str, Callable[[], None]]:
+    """:meth:`begin` of ``stage.begin`` by ``stage`` (its first part, which carries it: one
+    round trip less), which writes into ``stage.tmp_dir``: that must be where a save
+    writes in the directory made (refused before anything is made if not). Returns the
+    step's uncommitted directory, made, and what finishes it (``Format.begin_tmp``):
     :meth:`stage` hands that to the step's writer thread (``finish_tmp``), which runs it
     before it writes, off the trainer's wait."""
-    return self._begin(begin, owner, alive, tmp_dir)
+    assert stage.begin is not None
+    return self._begin(stage.begin, caller, stage.tmp_dir)
 
-  def _begin(self, begin: Begin, owner: str, alive: Callable[[], bool] | None,
-             tmp_dir: str | None) -> tuple[str, Callable[[], None]]:
+  def _begin(self, begin: Begin, caller: Caller, tmp_dir: str | None
+             ) -> tuple[str, Callable[[], None]]:
     """:meth:`begin`'s checks, its record and the directory's making; returns the
     directory and what finishes it."""
     directory = begin.directory
@@ -165,7 +163,7 @@ class StepWriter:
           f"{directory!r:.200} in format {fmt.name!r} writes "
           f"({fmt.staged_dirs(fmt.tmp_of(directory, step))[0]!r:.200}); a Stage that begins "
           "its step stages into the directory that Begin would answer")
-    self._begins.reserve(directory, step, fmt.name, tmp, owner, alive)
+    self._begins.reserve(directory, step, fmt.name, tmp, caller.owner, caller.alive)
     try:
       # Made in the directory it lies in, opened from the root (a leftover removed there):
       # the format names it in that directory (a symlink there is in the way, not followed).
@@ -174,7 +172,7 @@ class StepWriter:
         made, finish = fmt.begin_tmp(resolved, step, at=at)
       return str(made), finish
     except BaseException as e:
-      self._begins.unreserve(tmp, owner)
+      self._begins.unreserve(tmp, caller.owner)
       if isinstance(e, FileExistsError):  # a race lost to a checkpointer that began or
         raise errors.PermissionDeniedError(  # committed the step meanwhile (another job's)
             f"begin: step {step} of {directory!r:.200} is being saved by another "
@@ -210,19 +208,16 @@ class StepWriter:
     tmp = fmt.tmp_of(self._path(directory, "directory"), roots_lib.as_int(step, "step"))
     return self._path(tmp, "the step's uncommitted directory")
 
-  def _uncommitted(self, tmp_dir: str, name: str) -> tuple[Format, str, str]:
-    """The format of ``tmp_dir``, ``tmp_dir`` (resolved) and where it will be once
-    committed, if ``tmp_dir`` lies in (or is) an uncommitted step directory of a format
-    (``*.orbax-checkpoint-tmp``, ``*.dcp-checkpoint-tmp``) whose step is not committed, or
-    whose format overwrites (DCP's commit replaces a committed one at its path).
+  def _uncommitted_at(self, tmp_dir: str, name: str
+                      ) -> tuple[Format, str, str, pathlib.Path]:
+    """The format of ``tmp_dir``, ``tmp_dir`` (resolved), where it will be once committed
+    and the uncommitted step directory it lies in, if ``tmp_dir`` lies in (or is) an
+    uncommitted step directory of a format (``*.orbax-checkpoint-tmp``,
+    ``*.dcp-checkpoint-tmp``) whose step is not committed, or whose format overwrites
+    (DCP's commit replaces a committed one at its path).
 
     What keeps a save from writing into, or a commit from rewriting, a committed step.
     """
-    return self._uncommitted_at(tmp_dir, name)[:3]
-
-  def _uncommitted_at(self, tmp_dir: str, name: str
-                      ) -> tuple[Format, str, str, pathlib.Path]:
-    """:meth:`_uncommitted`, and the uncommitted step directory ``tmp_dir`` lies in."""
     path = pathlib.Path(self._path(tmp_dir, name))
     root = pathlib.Path(self._roots.root_of(str(path)) or "/")
     found = self._formats.of_tmp(path)
@@ -242,13 +237,11 @@ class StepWriter:
           f"({where.committed}); nothing writes into or over a committed step")
     return fmt, str(path), str(where.final), where.tmp
 
-  def stage(self, stage: Stage, *, owner: str = "", worker: str = "",
-            alive: Callable[[], bool] | None = None,
-            finish_tmp: Callable[[], None] | None = None, tenant: str | None = None) -> int:
+  def stage(self, stage: Stage, caller: Caller, *,
+            finish_tmp: Callable[[], None] | None = None) -> int:
     """Takes the shards of this host a ``stage`` carries (arena views it now holds) and
-    starts writing them. ``stage`` is the trainer's, as it sent it (``ckptfmt/phases``);
-    ``owner``, ``worker``, ``alive`` and ``finish_tmp`` are what this sidecar knows of
-    the call itself.
+    starts writing them. ``stage`` is the trainer's, as it sent it (``ckptfmt/save_values``);
+    ``caller`` and ``finish_tmp`` are what this sidecar knows of the call itself.
 
     A save stages in parts, as the trainer copies (``last`` on the final one): the
     first part starts the writer, each part's shards are written as they arrive.
@@ -258,28 +251,46 @@ class StepWriter:
     be once committed (the RAM tier's key). Returns the bytes staged so far.
 
     ``tmp_dir`` must lie in an uncommitted step directory, and ``final_dir`` be where it
-    goes; the save belongs to the sessions that staged its parts (``owner``), at most
-    ``writers`` of them: a part of another session is refused while it is being written.
-    ``extra``: the typed extra of ``tmp_dir``'s format, if it has one (a DCP step's
-    ``DcpPart``: its rank and item count, its shards' ``leaf`` numbering them); the format
-    numbers the shards (``Format.numbering``). Each record names this host (or no host:
-    it is this one's then).
+    goes; the save belongs to the sessions that staged its parts (``caller.owner``), at
+    most ``writers`` of them: a part of another session is refused while it is being
+    written. ``extra``: the typed extra of ``tmp_dir``'s format, if it has one (a DCP
+    step's ``DcpPart``: its rank and item count, its shards' ``leaf`` numbering them); the
+    format numbers the shards (``Format.numbering``). Each record names this host (or no
+    host: it is this one's then).
 
     ``plan`` (with ``last``): the sidecars commit the step themselves; once every writer's
     last part came with one, this host takes the step over before this call returns
-    (``take_over``, which may refuse it: then this call raises). ``alive``: whether the
-    trainer whose worker session ``worker`` staged this part is still there.
+    (``take_over``, which may refuse it: then this call raises). ``caller.alive``: whether
+    the trainer whose worker session ``caller.worker`` staged this part is still there.
     ``finish_tmp`` (a part that begins its step: :meth:`begin_staged`): what finishes the
     step's uncommitted directory, which its writer thread runs before it writes. The
     writer starts with the first part that has something to write; a part that begins a
-    step is refused (ResourceExhaustedError) where ``tenant`` (``owner``, with no tenant)
-    holds ``write.BEGUN_STEPS`` steps being staged here (``write.Writers``).
+    step is refused (ResourceExhaustedError) where ``caller.tenant`` (``caller.owner``,
+    with no tenant) holds ``write.BEGUN_STEPS`` steps being staged here
+    (``write.Writers``).
     """
-    directory, tmp_dir, final_dir = stage.directory, stage.tmp_dir, stage.final_dir
-    leaves, shards, last, writers = stage.leaves, stage.shards, stage.last, stage.writers
-    extra, plan = stage.extra, stage.plan
     step = roots_lib.as_int(stage.step, "step")
-    resolved = self._path(directory, "directory")  # each path resolved once
+    fmt, stage = self._stage_paths(stage)
+    faults.fault("stage", step)
+    faults.fault("slowstage", step)
+    with self._tier.slot(stage.final_dir) as slot:
+      own = self._held(slot, stage, caller, fmt, finish_tmp)
+      before = own.nbytes
+      whole = self._take(own, stage, caller)
+      staged = own.nbytes
+    self._writers.staged(own, something=bool(stage.shards) or stage.last)
+    self._metrics.checkpoint_bytes("staged", staged - before)
+    if whole and own.plans:
+      self._take_over(own)  # before this Stage answers: the sidecars commit it now
+    return staged
+
+  def _stage_paths(self, stage: Stage) -> tuple[Format, Stage]:
+    """The format of ``stage``'s step and ``stage`` with its ``tmp_dir`` resolved, each
+    path resolved once and checked: ``tmp_dir`` in an uncommitted step of ``directory``,
+    going to ``final_dir`` once committed (which stays the client's spelling: the RAM
+    tier's key); its extra the format's."""
+    directory, tmp_dir, final_dir = stage.directory, stage.tmp_dir, stage.final_dir
+    resolved = self._path(directory, "directory")
     resolved_final = self._path(final_dir, "final_dir")
     fmt, tmp_dir, final, tmp_step = self._uncommitted_at(tmp_dir, "tmp_dir")
     if resolved != str(tmp_step.parent):
@@ -287,67 +298,74 @@ class StepWriter:
           f"stage: directory {directory!r:.200} is not the directory of tmp_dir's step "
           f"({str(tmp_step.parent)!r:.200}); a Stage names the checkpoint directory it "
           "opened, the one its step lies in")
-    _check_extra(extra, fmt.stage_extra, f"stage: a Stage of a step in {fmt.name}'s layout "
-                 "carries")
+    _check_extra(stage.extra, fmt.stage_extra, f"stage: a Stage of a step in {fmt.name}'s "
+                 "layout carries")
     if final != resolved_final:
       raise errors.InvalidArgumentError(
           f"stage: final_dir {final_dir!r:.200} is not where tmp_dir {tmp_dir!r:.200} goes once "
           f"committed ({final!r:.200})")
-    faults.fault("stage", step)
-    faults.fault("slowstage", step)
-    with self._tier.slot(final_dir) as slot:
-      own = slot.step
-      phase = own.phase if own is not None else None
-      writing = phase in (step_lib.Phase.STAGING, step_lib.Phase.STAGED)
-      if own is not None and writing and (
-          own.tmp_dir != tmp_dir
-          or (owner not in own.owners and len(own.owners) >= own.writers)):
-        raise errors.PermissionDeniedError(
-            f"stage: step {own.step} at {final_dir!r:.200} is being saved by another "
-            f"session on host {self._host_id}; only the session that began a save stages "
-            "its parts")
-      if (own is not None and phase is step_lib.Phase.FAILED and finish_tmp is None
-          and _same_save(own, tmp_dir, owner)):  # a later part of a failed save
+    return fmt, dataclasses.replace(stage, tmp_dir=tmp_dir)
+
+  def _held(self, slot: ram_tier.Slot, stage: Stage, caller: Caller, fmt: Format,
+            finish_tmp: Callable[[], None] | None) -> step_lib.Step:
+    """The step ``stage`` is a part of, in ``slot``: the save's own, being staged, or a
+    new one held there, whose writer thread starts once it has something to write
+    (``Writers.staged``). Refused where another session stages the step, where it is a
+    later part of a save whose write failed, or where the step is staged whole already."""
+    step, tmp_dir, final_dir, owner = stage.step, stage.tmp_dir, stage.final_dir, caller.owner
+    own = slot.step
+    phase = own.phase if own is not None else None
+    writing = phase in (step_lib.Phase.STAGING, step_lib.Phase.STAGED)
+    if own is not None and writing and (
+        own.tmp_dir != tmp_dir
+        or (owner not in own.owners and len(own.owners) >= own.writers)):
+      raise errors.PermissionDeniedError(
+          f"stage: step {own.step} at {final_dir!r:.200} is being saved by another "
+          f"session on host {self._host_id}; only the session that began a save stages "
+          "its parts")
+    if (own is not None and phase is step_lib.Phase.FAILED and finish_tmp is None
+        and _same_save(own, tmp_dir, owner)):  # a later part of a failed save
+      assert own.error is not None
+      raise write_lib.write_failure(self._host_id, step, final_dir, own.error,
+                                    tmp_dir=tmp_dir)
+    if own is None or not writing:
+      own = step_lib.Step(stage.directory, step, final_dir, tmp_dir=tmp_dir,
+                          writers=stage.writers, format=fmt.name,
+                          numbering=fmt.numbering(stage.leaves))
+      self._writers.admit(own, tenant=caller.tenant, session=owner)  # (refused: nothing held)
+      slot.hold(own)
+      phase = step_lib.Phase.STAGING
+      # Its writer thread starts once it has something to write (Writers.staged).
+      self._writers.waiting(own, functools.partial(self._spawn, functools.partial(
+          write_lib.write_step, own, fmt, host_id=self._host_id, tier=self._tier,
+          metrics=self._metrics, turn=self._write_turn(owner) or direct_io.no_turn,
+          finish_tmp=finish_tmp), name=f"sidecar-ckpt-{step}"))
+    # (else its writer ran it: a part that begins a step in flight is refused first)
+    if phase is step_lib.Phase.STAGED:
+      raise errors.InvalidArgumentError(
+          f"stage: step {step} of {stage.directory!r:.200} is staged already on host "
+          f"{self._host_id}: another save of step {step} into this directory is in flight "
+          "(another checkpointer or process); wait for that save to end, or save each step "
+          "from one checkpointer")
+    return own
+
+  def _take(self, own: step_lib.Step, stage: Stage, caller: Caller) -> bool:
+    """``own`` takes ``stage``'s shards (``Step.take``); returns whether its part here is
+    whole. Refused where the part does not fit the step, or its write failed or it was
+    aborted meanwhile."""
+    try:
+      return own.take(caller.owner, stage.extra, self._here(stage.shards), last=stage.last,
+                      writers=stage.writers, plan=stage.plan, leaves=stage.leaves,
+                      worker=caller.worker, alive=caller.alive)
+    except errors.InvalidArgumentError as e:
+      raise errors.InvalidArgumentError(f"step {stage.step} on host {self._host_id}: {e}") from None
+    except step_lib.StateError:  # its write failed, or it was aborted, since the check above
+      if own.phase is step_lib.Phase.FAILED:
         assert own.error is not None
-        raise write_lib.write_failure(self._host_id, step, final_dir, own.error,
-                                      tmp_dir=tmp_dir)
-      if own is None or not writing:
-        own = step_lib.Step(directory, step, final_dir, tmp_dir=tmp_dir, writers=writers,
-                            format=fmt.name, numbering=fmt.numbering(leaves))
-        self._writers.admit(own, tenant=tenant, session=owner)  # (refused: nothing held)
-        slot.hold(own)
-        phase = step_lib.Phase.STAGING
-        # Its writer thread starts once it has something to write (Writers.staged).
-        self._writers.waiting(own, functools.partial(self._spawn, functools.partial(
-            write_lib.write_step, own, fmt, host_id=self._host_id, tier=self._tier,
-            metrics=self._metrics, turn=self._write_turn(owner) or direct_io.no_turn,
-            finish_tmp=finish_tmp), name=f"sidecar-ckpt-{step}"))
-      # (else its writer ran it: a part that begins a step in flight is refused first)
-      if phase is step_lib.Phase.STAGED:
-        raise errors.InvalidArgumentError(
-            f"stage: step {step} of {directory!r:.200} is staged already on host "
-            f"{self._host_id}: another save of step {step} into this directory is in flight "
-            "(another checkpointer or process); wait for that save to end, or save each step "
-            "from one checkpointer")
-      before = own.nbytes
-      try:
-        whole = own.take(owner, extra, self._here(shards), last=last, writers=writers, plan=plan,
-                         leaves=leaves, worker=worker, alive=alive)
-      except errors.InvalidArgumentError as e:
-        raise errors.InvalidArgumentError(f"step {step} on host {self._host_id}: {e}") from None
-      except step_lib.StateError:  # its write failed, or it was aborted, since the check above
-        if own.phase is step_lib.Phase.FAILED:
-          assert own.error is not None
-          raise write_lib.write_failure(self._host_id, step, final_dir, own.error,
-                                        tmp_dir=tmp_dir) from None
-        raise errors.ClosedError(f"stage: the save of step {step} was aborted on host "
-                                 f"{self._host_id} meanwhile") from None
-      staged = own.nbytes
-    self._writers.staged(own, something=bool(shards) or last)
-    self._metrics.checkpoint_bytes("staged", staged - before)
-    if whole and own.plans:
-      self._take_over(own)  # before this Stage answers: the sidecars commit it now
-    return staged
+        raise write_lib.write_failure(self._host_id, stage.step, stage.final_dir, own.error,
+                                      tmp_dir=stage.tmp_dir) from None
+      raise errors.ClosedError(f"stage: the save of step {stage.step} was aborted on host "
+                               f"{self._host_id} meanwhile") from None
 
   def _here(self, shards: Sequence[Staged]) -> list[Staged]:
     """``shards``, each record naming this host; InvalidArgumentError for another's."""
@@ -364,9 +382,11 @@ class StepWriter:
       out.append(s)
     return out
 
-  def prepared(self, final_dir: str, timeout: float = 3600.0) -> list[ShardRecord]:
-    """This host's shards of the step at ``final_dir``, written (their crc32c set), once
-    its write ended."""
+  def prepared(self, prepared: Prepared, caller: Caller) -> list[ShardRecord]:
+    """This host's shards of the step at ``prepared.final_dir``, written (their crc32c
+    set), once its write ended, waited for at most ``caller.wait_s`` (the servicer folds
+    the value's ``timeout_s`` into it)."""
+    final_dir, timeout = prepared.final_dir, caller.wait_s
     self._path(final_dir, "final_dir")
     own = self._tier.step_at(final_dir)
     if not own.wait_written(timeout):
@@ -379,54 +399,52 @@ class StepWriter:
     faults.fault("prepared", own.step)
     return own.written_records
 
-  def commit(self, commit: Commit, *, owner: str = "") -> str:
+  def commit(self, commit: Commit, caller: Caller) -> str:
     """On host 0: the manifest, then the checks; with ``commit.whole_step`` also the
-    step's rename. ``commit`` is the trainer's, as it sent it (``ckptfmt/phases``).
+    step's rename. ``commit`` is the trainer's, as it sent it (``ckptfmt/save_values``).
 
     Without ``whole_step`` (an Orbax handler's item) the CheckpointManager commits.
     ``replicas``: which hosts hold each host's replicas (``{host: [hosts]}``), recorded
     so that a restore that finds shards lost can say which hosts are gone. Only the
-    session that staged ``tmp_dir`` here (``owner``) commits it, once it is written, and
-    only into an uncommitted step, and not one the sidecars took over (they commit it).
-    ``extra``: the typed commit extra of ``tmp_dir``'s format, if it has one (a DCP step's
-    ``DcpCommit``: its metadata, file sizes and plan).
+    session that staged ``tmp_dir`` here (``caller.owner``) commits it, once it is
+    written, and only into an uncommitted step, and not one the sidecars took over (they
+    commit it). ``extra``: the typed commit extra of ``tmp_dir``'s format, if it has one
+    (a DCP step's ``DcpCommit``: its metadata, file sizes and plan).
     """
     step = roots_lib.as_int(commit.step, "step")
-    fmt, tmp_dir, _, tmp_step = self._uncommitted_at(commit.tmp_dir, "tmp_dir")
-    own = self._tier.find_tmp(tmp_dir)
-    if (own is None or owner not in own.owners or own.step != step
+    found = self._uncommitted_at(commit.tmp_dir, "tmp_dir")
+    own = self._tier.find_tmp(found[1])
+    if (own is None or caller.owner not in own.owners or own.step != step
         or own.committed or own.takeover is not step_lib.Takeover.NONE):
       raise errors.PermissionDeniedError(
-          f"commit: tmp_dir {tmp_dir!r:.200} is not a step {step} this session staged on "
+          f"commit: tmp_dir {found[1]!r:.200} is not a step {step} this session staged on "
           f"host {self._host_id}, or is being committed already; a session commits only "
           "the save it began, once")
-    replicas = (None if commit.replicas is None
-                else {h: list(p) for h, p in commit.replicas.items()})
-    return self._commit(own, fmt, tmp_dir, tmp_step, commit.num_hosts, commit.leaves,
-                        commit.shards, commit.data_state_json, commit.whole_step, replicas,
-                        commit.extra)
+    return self._commit(own, commit, found)
 
   def commit_agreed(self, own: step_lib.Step, shards: Sequence[ShardRecord], *,
                     plan: records.CommitPlan) -> str:
     """Commits the step ``own`` (this host's part of it, taken over) with every host's
     written ``shards``, as ``plan`` says (the sidecars agreed: ``agreement.py``), and
     marks it committed in this RAM tier."""
-    fmt, tmp_dir, _, tmp_step = self._uncommitted_at(own.tmp_dir, "tmp_dir")
-    committed = self._commit(own, fmt, tmp_dir, tmp_step, len(plan.hosts), own.leaves, shards,
-                             plan.data_state_json, True,
-                             {h: list(p) for h, p in plan.replicas.items()} or None, None)
+    commit = Commit(tmp_dir=own.tmp_dir, step=own.step, num_hosts=len(plan.hosts),
+                    shards=shards, leaves=own.leaves, data_state_json=plan.data_state_json,
+                    replicas=plan.replicas or None)
+    committed = self._commit(own, commit, self._uncommitted_at(own.tmp_dir, "tmp_dir"))
     self._tier.mark_committed(own.final_dir)
     return committed
 
-  def _commit(self, own: step_lib.Step, fmt: Format, tmp_dir: str, tmp_step: pathlib.Path,
-              num_hosts: int, leaves: Sequence[LeafSpec], shards: Sequence[ShardRecord],
-              data_state: str, whole_step: bool, replicas: dict[int, list[int]] | None,
-              extra: Any) -> str:
+  def _commit(self, own: step_lib.Step, commit: Commit,
+              found: tuple[Format, str, str, pathlib.Path]) -> str:
     """:meth:`commit` of ``own``, written here, once checked to be the caller's: one at a
     time with its abort (``Step.commit_gate``: refused once it was aborted; an abort waits
     for its end). Its renames are relative to the directory ``tmp_step`` (the step's
-    uncommitted directory) lies in, opened from the root."""
-    step = own.step
+    uncommitted directory) lies in, opened from the root. ``found``: what
+    :meth:`_uncommitted_at` found of ``commit.tmp_dir``, which the format is given
+    resolved."""
+    fmt, tmp_dir, _, tmp_step = found
+    commit = dataclasses.replace(commit, tmp_dir=tmp_dir)
+    step, extra = own.step, commit.extra
     faults.fault("slowcommit", step)
     own.commit_gate.begin()
     committed = ""
@@ -444,28 +462,27 @@ class StepWriter:
             "step from one checkpointer")
       _check_extra(extra, fmt.commit_extra,
                    f"commit: a step in {fmt.name}'s layout commits with")
-      manifest = Manifest.of_save(fmt.name, step=step, leaves=leaves,
-                                  shards=shards, data_state_json=data_state,
-                                  replicas=replicas, extras=fmt.manifest_extras(extra))
+      manifest = Manifest.of_save(fmt.name, step=step, leaves=commit.leaves,
+                                  shards=commit.shards, data_state_json=commit.data_state_json,
+                                  replicas=commit.replicas, extras=fmt.manifest_extras(extra))
       faults.fault("commit", step)
       try:
         with self._roots.open(str(tmp_step.parent)) as at:
-          committed = fmt.commit(tmp_dir, manifest, leaves=leaves, num_hosts=num_hosts,
-                                 whole_step=whole_step, extra=extra,
-                                 swapping=lambda: faults.mid_commit(step), at=at)
+          committed = fmt.commit(commit, manifest, swapping=lambda: faults.mid_commit(step),
+                                 at=at)
       except errors.SidecarError:
         raise
       except OSError as e:  # typed wherever the decision goes (a disk's EIO, ENOSPC too)
         raise (write_lib.made_meanwhile("commit", e) if isinstance(e, FileExistsError)
                else write_lib.write_failure(self._host_id, step, own.final_dir, e)) from None
     finally:
-      own.commit_gate.end(committed if whole_step else "")  # an item: its manager commits it
+      own.commit_gate.end(committed if commit.whole_step else "")  # an item: its manager commits it
     if fmt.commit_extra is not None:  # kept in host memory (a DCP step's): info() answers it,
       own.keep_manifest(manifest)    # the trainer tells the other RAM tiers (built once)
     self._begins.ended(pathlib.Path(tmp_dir))
     return committed
 
-  def abort(self, tmp_dir: str, final_dir: str, *, wait_s: float = 60.0) -> str:
+  def abort(self, abort: Abort, caller: Caller) -> str:
     """Forgets a step whose save failed; removes ``tmp_dir`` (its uncommitted files) once
     written. The controller calls it again with the whole uncommitted step directory
     once every host is done. ``tmp_dir`` must be an uncommitted step directory
@@ -477,8 +494,10 @@ class StepWriter:
     not, and is aborted).
 
     Raises:
-      DeadlineExceededError: its commit still runs after ``wait_s`` s (nothing removed).
+      DeadlineExceededError: its commit still runs after ``caller.wait_s`` s (nothing
+        removed).
     """
+    tmp_dir, final_dir = abort.tmp_dir, abort.final_dir
     path = self._path(tmp_dir, "tmp_dir")
     self._path(final_dir, "final_dir")
     root = self._roots.root_of(path)
@@ -495,7 +514,7 @@ class StepWriter:
         raise errors.PermissionDeniedError(
             f"abort: {str(found[1].tmp)!r:.200} was not made by a save (no mark of one in "
             "it); abort removes only what a save made: move it away yourself")
-      committed = self._abort(path, final_dir, found, wait_s)
+      committed = self._abort(path, final_dir, found, caller.wait_s)
       if not committed and at is not None:
         at.remove(os.path.basename(path))  # (a file or a symlink there is left as it is)
       return committed

@@ -26,8 +26,8 @@ from typing import Any
 import grpc
 import numpy as np
 
-from sidecar._src.ckptfmt.phases import Begin
 from sidecar._src.ckptfmt.records import Manifest
+from sidecar._src.ckptfmt.save_values import Abort, AwaitCommit, Begin
 from sidecar._src.core import errors
 from sidecar._src.server import client_log, isolation as isolation_lib, metrics as metrics_lib
 from sidecar._src.server.arenas.arena_io import ArenaIO
@@ -38,15 +38,15 @@ from sidecar._src.server.checkpoint import (
   restores,
   roots as roots_lib,
 )
+from sidecar._src.server.checkpoint.caller import LONG_S, Caller
 from sidecar._src.server.checkpoint.checkpoints import Checkpoints
 from sidecar._src.server.checkpoint.write import made_meanwhile, os_error_text
 from sidecar._src.server.limits import CheckpointSlots, InlineBytes, Sessions, Slots
 from sidecar._src.server.tenancy import tenants as tenants_lib
-from sidecar._src.wire import checkpoint_wire as wire, codec, pbscan, protocol
+from sidecar._src.wire import checkpoint_wire as wire, codec, pbscan, protocol, save_wire
 from sidecar._src.wire.protocol import ckpt_pb
 
 log = logging.getLogger(__name__)
-LONG_S = 3600.0  # a prepared or replicate with no timeout_s waits at most this long
 Handler = Callable[[Any, grpc.ServicerContext], Any]
 
 
@@ -328,53 +328,55 @@ class CheckpointService:
     """The caller's client (a pool's tenant), where each has its own checkpoints."""
     return self._sessions.client(_session(context)) if self._per_client else None
 
+  def _caller(self, context: grpc.ServicerContext, worker: str = "", asked: float = 0.0
+              ) -> Caller:
+    """What this sidecar knows of who sent a request (``caller.Caller``): its session,
+    the worker it names (the trainer is there while that is attached: its connection
+    closes as its process dies), its tenant, and how long it waits (``asked`` seconds,
+    as :func:`_timeout` bounds them)."""
+    alive = (lambda: self._arena_io.is_attached(worker)) if worker else None
+    return Caller(owner=_session(context), worker=worker, alive=alive,
+                  tenant=self._client(context), wait_s=_timeout(asked, context))
+
   def begin(self, r: ckpt_pb.CheckpointBeginRequest, context: grpc.ServicerContext
             ) -> ckpt_pb.CheckpointBeginResponse:
     _step(r.step)
-    tmp, _ = self._begin(wire.begin_from_pb(r), r.worker_session, context)
-    return ckpt_pb.CheckpointBeginResponse(tmp_directory=tmp)
+    begin, caller = save_wire.begin_from_pb(r), self._caller(context, r.worker_session)
+    self._check_begin(begin, caller)
+    return ckpt_pb.CheckpointBeginResponse(
+        tmp_directory=self._checkpoints.writer.begin(begin, caller))
 
-  def _begin(self, begin: Begin, worker: str, context: grpc.ServicerContext, *,
-             tmp_dir: str | None = None) -> tuple[str, Callable[[], None] | None]:
-    """``begin``'s work; returns the step's tmp directory. A Stage's that begins its step
-    (``tmp_dir``, where it writes, must be in what this makes) returns with it what
-    finishes it, which the step's writer thread runs (``StepWriter.stage``'s
-    ``finish_tmp``), off the trainer's wait."""
-    client = self._client(context)
-    self._checkpoints.check_storage(client, begin.directory, 0)
-    if client is not None:  # the step's directory too (DCP's lies beside directory)
-      self._checkpoints.check_client(
-          client, self._checkpoints.writer.tmp_of(begin.directory, begin.step, begin.format),
-          "the step's uncommitted directory")
-    # The save is in flight while the trainer that began it is there: its worker's
-    # connection closes as its process dies.
-    alive = (lambda: self._arena_io.is_attached(worker)) if worker else None
-    if tmp_dir is None:
-      return self._checkpoints.writer.begin(begin, owner=_session(context), alive=alive), None
-    return self._checkpoints.writer.begin_staged(begin, tmp_dir, owner=_session(context),
-                                                 alive=alive)
+  def _check_begin(self, begin: Begin, caller: Caller) -> None:
+    """What the policy says of ``begin`` (a Begin's, or a Stage's that begins its step):
+    room at the storage, and, per client, the step's directory its own (DCP's lies beside
+    ``begin.directory``)."""
+    self._checkpoints.check_storage(caller.tenant, begin.directory, 0)
+    if caller.tenant is not None:
+      tmp = self._checkpoints.writer.tmp_of(begin.directory, begin.step, begin.format)
+      self._checkpoints.check_client(caller.tenant, tmp, "the step's uncommitted directory")
 
   @_threads_after_answer
   def stage(self, r: ckpt_pb.CheckpointStageRequest, context: grpc.ServicerContext
             ) -> ckpt_pb.CheckpointStageResponse:
+    """A part of a step, staged; its first part on the host that begins the step begins
+    it first (``StepWriter.begin_staged``), whose writer thread then finishes the step's
+    uncommitted directory (``finish_tmp``), off the trainer's wait."""
     _step(r.step)
-    stage = wire.stage_from_pb(r, lambda ref: self._arena_io.view(ref, r.worker_session),
-                               _STAGE_VIEWS.get())
-    worker = r.worker_session  # the trainer that stages it is there while it is attached
-    alive = (lambda: self._arena_io.is_attached(worker)) if worker else None
-    begun, finish_tmp = (  # its first part on the host that begins it
-        self._begin(stage.begin, worker, context, tmp_dir=stage.tmp_dir)
-        if stage.begin is not None else ("", None))
+    stage = save_wire.stage_from_pb(
+        r, lambda ref: self._arena_io.view(ref, r.worker_session), _STAGE_VIEWS.get())
+    caller = self._caller(context, r.worker_session)
+    begun, finish_tmp = "", None
+    if stage.begin is not None:
+      self._check_begin(stage.begin, caller)
+      begun, finish_tmp = self._checkpoints.writer.begin_staged(stage, caller)
     try:  # checked and reserved under one lock (a quota that racing parts cannot pass)
-      with self._checkpoints.storage_reserved(self._client(context), stage.directory,
+      with self._checkpoints.storage_reserved(caller.tenant, stage.directory,
                                               sum(s.data.nbytes for s in stage.shards)):
-        staged = self._checkpoints.writer.stage(
-            stage, owner=_session(context), worker=worker, alive=alive, finish_tmp=finish_tmp,
-            tenant=self._client(context))
+        staged = self._checkpoints.writer.stage(stage, caller, finish_tmp=finish_tmp)
     except BaseException as e:
       if begun:  # as if never begun: the trainer's abort of a failed begin removes nothing
         self._checkpoints.agreements.abort(stage.final_dir)
-        self._checkpoints.writer.abort(begun, stage.final_dir)
+        self._checkpoints.writer.abort(Abort(begun, stage.final_dir), caller)
       # A refused part lets its blocks go at once: no frame the error passed through keeps
       # its (immutable) shards.
       traceback.clear_frames(e.__traceback__)
@@ -384,37 +386,42 @@ class CheckpointService:
 
   def prepared(self, r: ckpt_pb.CheckpointPreparedRequest, context: grpc.ServicerContext
                ) -> ckpt_pb.CheckpointPreparedResponse:
-    written = self._checkpoints.writer.prepared(r.final_dir, _timeout(r.timeout_s, context))
+    prepared = save_wire.prepared_from_pb(r)
+    written = self._checkpoints.writer.prepared(
+        prepared, self._caller(context, asked=prepared.timeout_s))
     return ckpt_pb.CheckpointPreparedResponse(records=[wire.record_to_pb(c) for c in written])
 
   def commit(self, r: ckpt_pb.CheckpointCommitRequest, context: grpc.ServicerContext
              ) -> ckpt_pb.CheckpointCommitResponse:
     step = _step(r.step)
-    if r.taken_over:  # the sidecars commit it: wait for their decision
+    commit, caller = save_wire.commit_from_pb(r), self._caller(context)
+    if isinstance(commit, AwaitCommit):  # the sidecars commit it: wait for their decision
       return ckpt_pb.CheckpointCommitResponse(
           committed=self._checkpoints.agreements.await_commit(
-              self._checkpoints.resolve(r.tmp_dir, "tmp_dir"), step, _session(context),
-              _timeout(0, context)))
+              self._checkpoints.resolve(commit.tmp_dir, "tmp_dir"), step, caller.owner,
+              caller.wait_s))
     if r.num_hosts < 1:
       raise errors.InvalidArgumentError(f"num_hosts must be >= 1, got {r.num_hosts}")
-    committed = self._checkpoints.writer.commit(wire.commit_from_pb(r), owner=_session(context))
-    return ckpt_pb.CheckpointCommitResponse(committed=committed)
+    return ckpt_pb.CheckpointCommitResponse(
+        committed=self._checkpoints.writer.commit(commit, caller))
 
   def committed(self, r: ckpt_pb.CheckpointCommittedRequest, _: grpc.ServicerContext
                 ) -> ckpt_pb.CheckpointCommittedResponse:
-    manifest = Manifest.from_json(r.manifest_json, "manifest_json") if r.manifest_json else None
+    told = save_wire.committed_from_pb(r)
+    manifest = (Manifest.from_json(told.manifest_json, "manifest_json") if told.manifest_json
+                else None)
     return ckpt_pb.CheckpointCommittedResponse(
-        kept_steps=self._checkpoints.committed(r.final_dir, manifest))
+        kept_steps=self._checkpoints.committed(told.final_dir, manifest))
 
   def abort(self, r: ckpt_pb.CheckpointAbortRequest, context: grpc.ServicerContext
             ) -> ckpt_pb.CheckpointAbortResponse:
     """Drops a failed save; a step whose commit began here is aborted once that commit
     ended, and only if it did not commit it (``committed`` then says where it did)."""
-    self._checkpoints.resolve(r.final_dir, "final_dir")
-    self._checkpoints.agreements.abort(r.final_dir)  # the RAM tier's key, as staged
-    committed = self._checkpoints.writer.abort(r.tmp_dir, r.final_dir,
-                                               wait_s=_timeout(0, context))
-    return ckpt_pb.CheckpointAbortResponse(committed=committed)
+    abort = save_wire.abort_from_pb(r)
+    self._checkpoints.resolve(abort.final_dir, "final_dir")
+    self._checkpoints.agreements.abort(abort.final_dir)  # the RAM tier's key, as staged
+    return ckpt_pb.CheckpointAbortResponse(
+        committed=self._checkpoints.writer.abort(abort, self._caller(context)))
 
   def delete(self, r: ckpt_pb.CheckpointDeleteRequest, _: grpc.ServicerContext
              ) -> ckpt_pb.CheckpointDeleteResponse:

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import sidecar
+from sidecar._src.ckptfmt.save_values import Stage
 from sidecar._src.core import errors
 
 pytestmark = pytest.mark.processes
@@ -62,18 +63,20 @@ def test_two_checkpointers_saving_one_step_in_one_directory_name_the_save_in_fli
 FIRST = """
     import os, sys, time, numpy as np
     import sidecar
+    from sidecar._src.ckptfmt.save_values import Stage
     from sidecar._src.controller.checkpoint import client as client_lib, save_run
-    real = client_lib.CheckpointClient.stage
+    real = client_lib.CheckpointClient.send
     if {hold!r} == "stage":
       save_run.SaveRun._begins_with_stage = lambda self: False
 
-    def held(self, *args, **kwargs):
-      open({held!r}, "w").close()
-      while not os.path.exists({go!r}):
-        time.sleep(0.02)
-      return real(self, *args, **kwargs)
+    def held(self, host, value, **kwargs):
+      if isinstance(value, Stage):
+        open({held!r}, "w").close()
+        while not os.path.exists({go!r}):
+          time.sleep(0.02)
+      return real(self, host, value, **kwargs)
     if {hold!r} == "stage":
-      client_lib.CheckpointClient.stage = held
+      client_lib.CheckpointClient.send = held
     with sidecar.jax.Controller({addresses!r}) as ctl, ctl.checkpointer({directory!r}) as ckpt:
       handle = ckpt.save(1, {{"w": np.full(1 << 16, 1.0, np.float32)}})
       open({held!r}, "w").close()
@@ -161,13 +164,14 @@ def test_a_second_checkpointer_of_the_process_is_refused_between_the_firsts_begi
   # tell the second's Begin from a retry of the first's, so this process refuses it.
   from sidecar._src.controller.checkpoint import client as client_lib
   begun, go = threading.Event(), threading.Event()
-  real = client_lib.CheckpointClient.stage
+  real = client_lib.CheckpointClient.send
 
-  def held(self, *args, **kwargs):
-    begun.set()
-    assert go.wait(60)
-    return real(self, *args, **kwargs)
-  monkeypatch.setattr(client_lib.CheckpointClient, "stage", held)
+  def held(self, host, value, **kwargs):
+    if isinstance(value, Stage):
+      begun.set()
+      assert go.wait(60)
+    return real(self, host, value, **kwargs)
+  monkeypatch.setattr(client_lib.CheckpointClient, "send", held)
   state = {"w": np.full(1 << 16, 1.0, np.float32)}
   with sidecar.testing.LocalCluster(num_hosts=1, devices_per_host=1, shm_size="32MiB") as c:
     with c.controller() as ctl, ctl.checkpointer(tmp_path) as a, \

@@ -92,6 +92,7 @@ def test_a_trainer_that_stages_inline_is_told_why_its_write_failed_mid_save(
   import errno
   import time
 
+  from sidecar._src.ckptfmt.save_values import Stage
   from sidecar._src.controller.checkpoint import client as client_lib, staging
   from sidecar._src.server.checkpoint.faults import FAULT_ENV
   go = tmp_path / "go"
@@ -100,19 +101,20 @@ def test_a_trainer_that_stages_inline_is_told_why_its_write_failed_mid_save(
   server = make_server(shm_size=16 << 20, device_ids=(0,))
   tier = server.checkpoints.tier
   tmp = tmp_path / "ck" / "2.orbax-checkpoint-tmp"
-  stage = client_lib.CheckpointClient.stage
+  send = client_lib.CheckpointClient.send
   held = []
 
-  def second_part_once_the_write_failed(self, host, part):
-    if part.step == 2 and part.begin is None and not held:  # the first part began it
+  def second_part_once_the_write_failed(self, host, part, **kw):
+    if (isinstance(part, Stage) and part.step == 2 and part.begin is None
+        and not held):  # the first part began it
       held.append(part)
       (tmp / "default").write_bytes(b"in the item directory's way")
       go.touch()
       deadline = time.monotonic() + 60
       while tier.writing() and time.monotonic() < deadline:  # its write fails meanwhile
         time.sleep(0.01)
-    return stage(self, host, part)
-  monkeypatch.setattr(client_lib.CheckpointClient, "stage", second_part_once_the_write_failed)
+    return send(self, host, part, **kw)
+  monkeypatch.setattr(client_lib.CheckpointClient, "send", second_part_once_the_write_failed)
   state = lambda value: {k: np.full(1 << 14, value + i, np.float32) for i, k in enumerate("abc")}
   with sidecar.jax.Controller([f"127.0.0.1:{server.port}"], attach=False) as ctl, \
       ctl.checkpointer(tmp_path / "ck", replicas=0) as ckpt:

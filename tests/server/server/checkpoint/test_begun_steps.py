@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import sidecar
-from sidecar._src.ckptfmt.phases import Begin, Stage
+from sidecar._src.ckptfmt.save_values import Begin, Prepared, Stage
 from sidecar._src.ckptfmt.spec import LeafKind, LeafSpec
 from tests.support.pool_files import ALICE, BOB, controller, write_pool
 from tests.support.staged import staged
@@ -39,7 +39,7 @@ def _writers() -> list[str]:
 
 def _stage(client, run, step: int, *, shards=(), last=False):
   tmp = f"{run}/{step}.orbax-checkpoint-tmp"
-  return client.stage(0, Stage(
+  return client.send(0, Stage(
       directory=str(run), step=step, tmp_dir=f"{tmp}/default", final_dir=f"{run}/{step}/default",
       leaves=[LEAF], shards=list(shards), last=last,
       begin=Begin(str(run), step, "orbax") if not shards else None)).result(10)
@@ -69,5 +69,5 @@ def test_steps_begun_with_nothing_staged_hold_no_thread_and_are_bounded(make_ser
       assert ck.save(1, {"w": W}).durable.result(30) == 1
     # A step of his given its part is written; and then he may begin another.
     _stage(client, bob_run, 1, shards=[staged(("w",), 0, ((0, 4),), W)], last=True)
-    assert client.prepared(0, f"{bob_run}/1/default", timeout=30).result(40)
+    assert client.send(0, Prepared(f"{bob_run}/1/default", 30), timeout=30).result(40)
     _stage(client, bob_run, 41)

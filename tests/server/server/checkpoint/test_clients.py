@@ -13,8 +13,8 @@ import pytest
 
 import sidecar
 from sidecar._src.ckptfmt import spec as spec_lib
-from sidecar._src.ckptfmt.phases import Begin, Commit, Stage
 from sidecar._src.ckptfmt.records import ShardId, ShardRecord
+from sidecar._src.ckptfmt.save_values import Abort, Begin, Commit, Prepared, Stage
 from sidecar._src.wire import protocol
 from sidecar._src.wire.protocol import ckpt_pb, pb
 from tests.support.staged import staged
@@ -53,20 +53,20 @@ def test_another_client_cannot_stage_into_or_commit_over_a_committed_step(make_s
     client = attacker.checkpoint_client()
     evil = staged(("w",), 0, ((0, 1024),), np.full(1024, 666.0, np.float32))
     with pytest.raises(sidecar.SidecarError) as info:  # the committed item as the tmp one
-      client.stage(0, Stage(directory=str(directory), step=1, tmp_dir=item, final_dir=item,
+      client.send(0, Stage(directory=str(directory), step=1, tmp_dir=item, final_dir=item,
                             leaves=leaves, shards=[evil], last=True)).result()
     assert isinstance(info.value, PermissionError), info.value
     assert "is not inside an uncommitted step directory" in str(info.value)
     for whole_step in (False, True):
       with pytest.raises(sidecar.SidecarError) as info:
-        client.commit(0, Commit(tmp_dir=item, step=1, num_hosts=1, leaves=leaves, shards=[],
+        client.send(0, Commit(tmp_dir=item, step=1, num_hosts=1, leaves=leaves, shards=[],
                                 data_state_json="", whole_step=whole_step, replicas=None),
                       timeout=10).result()
       assert isinstance(info.value, PermissionError), info.value
     # A tmp step of its own beside it, committed over the victim's item: refused too.
     tmp_item = str(directory / "1.orbax-checkpoint-tmp" / "default")
     with pytest.raises(sidecar.SidecarError, match="is committed already"):
-      client.stage(0, Stage(directory=str(directory), step=1, tmp_dir=tmp_item,
+      client.send(0, Stage(directory=str(directory), step=1, tmp_dir=tmp_item,
                             final_dir=item, leaves=leaves, shards=[evil], last=True)).result()
   np.testing.assert_array_equal(restored(victim, directory), np.full(1024, 1.0, np.float32))
   victim.close()
@@ -83,27 +83,27 @@ def test_another_client_cannot_join_or_commit_a_save_in_flight(make_server, tmp_
   manifest = json.loads((directory / "1" / "default" / "sidecar_manifest.json").read_text())
   leaves = [spec_lib.spec_from_dict(d) for d in manifest["leaves"]]
   mine = victim.checkpoint_client()
-  mine.begin(0, Begin(str(directory), 2, "orbax")).result()
+  mine.send(0, Begin(str(directory), 2, "orbax")).result()
   half = staged(("w",), 0, ((0, 1024),), np.full(1024, 2.0, np.float32))
-  mine.stage(0, Stage(directory=str(directory), step=2, tmp_dir=tmp_item, final_dir=final_dir,
+  mine.send(0, Stage(directory=str(directory), step=2, tmp_dir=tmp_item, final_dir=final_dir,
                       leaves=leaves, shards=[], last=False)).result()
   with controller(server, attach=False) as attacker:
     theirs = attacker.checkpoint_client()
     evil = staged(("w",), 0, ((0, 1024),), np.full(1024, 666.0, np.float32))
     with pytest.raises(sidecar.SidecarError, match="is being saved by another session"):
-      theirs.stage(0, Stage(directory=str(directory), step=2, tmp_dir=tmp_item, final_dir=final_dir,
+      theirs.send(0, Stage(directory=str(directory), step=2, tmp_dir=tmp_item, final_dir=final_dir,
                             leaves=leaves, shards=[evil], last=True)).result()
     with pytest.raises(sidecar.SidecarError, match="is being saved by another session"):
       # It would remove the victim's files.
-      theirs.begin(0, Begin(str(directory), 2, "orbax")).result()
+      theirs.send(0, Begin(str(directory), 2, "orbax")).result()
     with pytest.raises(sidecar.SidecarError, match="a session commits only the save it began"):
-      theirs.commit(0, Commit(tmp_dir=tmp_item, step=2, num_hosts=1, leaves=leaves, shards=[],
+      theirs.send(0, Commit(tmp_dir=tmp_item, step=2, num_hosts=1, leaves=leaves, shards=[],
                               data_state_json="", whole_step=True, replicas=None),
                     timeout=10).result()
-  mine.stage(0, Stage(directory=str(directory), step=2, tmp_dir=tmp_item, final_dir=final_dir,
+  mine.send(0, Stage(directory=str(directory), step=2, tmp_dir=tmp_item, final_dir=final_dir,
                       leaves=[], shards=[half], last=True)).result()
-  sums = mine.prepared(0, final_dir, timeout=30).result()
-  mine.commit(0, Commit(tmp_dir=tmp_item, step=2, num_hosts=1, leaves=leaves, shards=sums,
+  sums = mine.send(0, Prepared(final_dir, 30), timeout=30).result()
+  mine.send(0, Commit(tmp_dir=tmp_item, step=2, num_hosts=1, leaves=leaves, shards=sums,
                         data_state_json="", whole_step=True, replicas=None), timeout=10).result()
   with victim.checkpointer(directory) as ckpt:
     got = ckpt.restore(2, target={"w": np.zeros(1024, np.float32)})["w"]
@@ -121,26 +121,26 @@ def test_another_client_cannot_join_begin_or_commit_a_dcp_save_in_flight(make_se
   with controller(server) as victim, controller(server, attach=False) as attacker:
     mine, theirs = victim.checkpoint_client(), attacker.checkpoint_client()
     mine.open(0, str(path.parent), ram_steps=1, ram_budget=None, sweep=False).result()
-    tmp = mine.begin(0, Begin(str(path), 3, dcp.FORMAT)).result()
+    tmp = mine.send(0, Begin(str(path), 3, dcp.FORMAT)).result()
     assert tmp == str(dcp.tmp_path(path))
-    mine.stage(0, Stage(directory=str(path.parent), step=3, tmp_dir=tmp, final_dir=str(path),
+    mine.send(0, Stage(directory=str(path.parent), step=3, tmp_dir=tmp, final_dir=str(path),
                         leaves=[], shards=[], last=False, extra=part)).result()
     evil = staged(("w",), 0, ((0, 1024),), np.full(1024, 666.0, np.float32), rank=0)
     with pytest.raises(sidecar.SidecarError, match="is being saved by another session"):
-      theirs.stage(0, Stage(directory=str(path.parent), step=3, tmp_dir=tmp, final_dir=str(path),
+      theirs.send(0, Stage(directory=str(path.parent), step=3, tmp_dir=tmp, final_dir=str(path),
                             leaves=[], shards=[evil], last=True, extra=part)).result()
     with pytest.raises(sidecar.SidecarError, match="is being saved by another session"):
-      theirs.begin(0, Begin(str(path), 3, dcp.FORMAT)).result()  # would remove its files
+      theirs.send(0, Begin(str(path), 3, dcp.FORMAT)).result()  # would remove its files
     with pytest.raises(sidecar.SidecarError, match="a session commits only the save it began"):
-      theirs.commit(0, Commit(tmp_dir=tmp, step=3, num_hosts=1, leaves=[], shards=[],
+      theirs.send(0, Commit(tmp_dir=tmp, step=3, num_hosts=1, leaves=[], shards=[],
                               data_state_json="", whole_step=True, replicas=None),
                     timeout=10).result()
     with pytest.raises(sidecar.SidecarError, match="is not inside an uncommitted step"):
-      theirs.stage(0, Stage(directory=str(path.parent), step=3, tmp_dir=str(path),
+      theirs.send(0, Stage(directory=str(path.parent), step=3, tmp_dir=str(path),
                             final_dir=str(path), leaves=[], shards=[evil], last=True,
                             extra=part)).result()
     assert pathlib.Path(tmp).is_dir()  # the victim's save is still there
-    mine.abort(0, tmp, str(path), timeout=10).result()
+    mine.send(0, Abort(tmp, str(path)), timeout=10).result()
 
 
 # ---- replicas: only from the job's other sidecars, checked, never silently dropped -----
@@ -249,7 +249,7 @@ def test_a_tmp_directory_inside_a_committed_step_is_no_uncommitted_step(make_ser
     for inside in ("1/x.orbax-checkpoint-tmp/default", "1/default/x.orbax-checkpoint-tmp/w"):
       item = str(directory / inside)
       with pytest.raises(sidecar.SidecarError, match="outside any committed one"):
-        client.stage(0, Stage(directory=str(directory), step=7, tmp_dir=item,
+        client.send(0, Stage(directory=str(directory), step=7, tmp_dir=item,
                               final_dir=item.replace(".orbax-checkpoint-tmp", ""), leaves=leaves,
                               shards=[evil], last=True)).result()
   assert sorted(p.name for p in (directory / "1").iterdir()) == [

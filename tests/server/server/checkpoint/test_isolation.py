@@ -12,8 +12,8 @@ import pytest
 
 import sidecar
 from sidecar._src.ckptfmt import dcp, spec as spec_lib
-from sidecar._src.ckptfmt.phases import Begin, Commit, Stage
 from sidecar._src.ckptfmt.records import ShardId, ShardRecord
+from sidecar._src.ckptfmt.save_values import Abort, Begin, Commit, Prepared, Stage
 from sidecar._src.server.checkpoint import roots as roots_lib
 from tests.support.pool_files import ALICE, BOB, controller, write_pool
 from tests.support.staged import staged
@@ -65,30 +65,30 @@ def test_a_dcp_plan_item_at_an_absolute_path_is_refused_at_the_commit(make_serve
   with controller(server, BOB) as ctl:
     client = ctl.checkpoint_client()
     client.open(0, str(path.parent), ram_steps=1, ram_budget=None, sweep=False).result()
-    tmp = client.begin(0, Begin(str(path), 1, dcp.FORMAT)).result()
+    tmp = client.send(0, Begin(str(path), 1, dcp.FORMAT)).result()
     data = np.zeros(item.nbytes, np.uint8)
-    client.stage(0, Stage(directory=str(path.parent), step=1, tmp_dir=tmp, final_dir=str(path),
+    client.send(0, Stage(directory=str(path.parent), step=1, tmp_dir=tmp, final_dir=str(path),
                           leaves=[], shards=[staged(("w",), 0, (), data, rank=0)], last=True,
                           extra=dcp.DcpPart(0, 1))).result()
-    sums = client.prepared(0, str(path), timeout=30).result()
+    sums = client.send(0, Prepared(str(path), 30), timeout=30).result()
     _, size = dcp.layout(0, [item])
     plan = {"version": 1, "state": {"w": {"kind": "bytes"}},
             "storage": [{"fqn": "w", "offset": None, "index": 0, "path": str(secret), "at": 0,
                          "length": item.nbytes}]}
-    message = refused(ValueError, "plan_json storage[0].path", lambda: client.commit(
+    message = refused(ValueError, "plan_json storage[0].path", lambda: client.send(
         0, Commit(tmp_dir=tmp, step=1, num_hosts=1, leaves=[], shards=sums, data_state_json="",
                   whole_step=True, replicas=None,
                   extra=dcp.DcpCommit(b"\x80\x04N.", {0: size}, json.dumps(plan))),
         timeout=10).result())
     assert str(secret) in message and "__<rank>_0.distcp" in message, message
     plan["storage"][0]["path"] = "../alice.token"  # relative, but out of the directory
-    refused(ValueError, "no empty, '.' or '..' component", lambda: client.commit(
+    refused(ValueError, "no empty, '.' or '..' component", lambda: client.send(
         0, Commit(tmp_dir=tmp, step=1, num_hosts=1, leaves=[], shards=sums, data_state_json="",
                   whole_step=True, replicas=None,
                   extra=dcp.DcpCommit(b"\x80\x04N.", {0: size}, json.dumps(plan))),
         timeout=10).result())
     assert not path.exists()  # nothing committed, so nothing reads the token from storage
-    client.abort(0, tmp, str(path), timeout=10).result()
+    client.send(0, Abort(tmp, str(path)), timeout=10).result()
 
 
 def test_an_orbax_leaf_key_that_is_an_absolute_path_is_refused(make_server, tmp_path):
@@ -105,12 +105,12 @@ def test_an_orbax_leaf_key_that_is_an_absolute_path_is_refused(make_server, tmp_
   with controller(server, BOB) as ctl:
     client = ctl.checkpoint_client()
     client.open(0, str(directory), ram_steps=1, ram_budget=None, sweep=True).result()
-    tmp = client.begin(0, Begin(str(directory), 1, "orbax")).result()
+    tmp = client.send(0, Begin(str(directory), 1, "orbax")).result()
     for key in (str(alice_dir / "1" / "default" / "w"), str(outside / "w"), "a/../../w"):
       leaf = spec_lib.LeafSpec(key_path=(key,), shape=W.shape, dtype=W.dtype)
       evil = staged((key,), 0, ((0, W.size),), np.full_like(W, 666.0))
       refused(ValueError, "leaves[0].key_path must be a name",
-              lambda leaf=leaf, evil=evil: client.stage(
+              lambda leaf=leaf, evil=evil: client.send(
                   0, Stage(directory=str(directory), step=1, tmp_dir=f"{tmp}/default",
                            final_dir=str(directory / "1" / "default"), leaves=[leaf],
                            shards=[evil], last=True)).result())
@@ -186,21 +186,21 @@ def _race(server, tmp_path, directory_of) -> int:
     with controller(server, BOB) as ctl:
       client = ctl.checkpoint_client()
       client.open(0, str(directory), ram_steps=1, ram_budget=None, sweep=True).result()
-      tmp = client.begin(0, Begin(str(directory), 1, "orbax")).result()
+      tmp = client.send(0, Begin(str(directory), 1, "orbax")).result()
       final = str(directory / "1" / "default")
       barrier.wait(30)
       try:
-        client.stage(0, Stage(directory=directory_of(directory, tmp), step=1,
+        client.send(0, Stage(directory=directory_of(directory, tmp), step=1,
                               tmp_dir=f"{tmp}/default", final_dir=final, leaves=[leaf],
                               shards=[staged(("w",), 0, ((0, BIG.size),), BIG)],
                               last=True)).result()
-        sums = client.prepared(0, final, timeout=30).result()
-        client.commit(0, Commit(tmp_dir=f"{tmp}/default", step=1, num_hosts=1, leaves=[leaf],
+        sums = client.send(0, Prepared(final, 30), timeout=30).result()
+        client.send(0, Commit(tmp_dir=f"{tmp}/default", step=1, num_hosts=1, leaves=[leaf],
                                 shards=sums, data_state_json="", whole_step=True, replicas=None),
                       timeout=30).result()
         committed.append(i)
       except sidecar.SidecarError:
-        client.abort(0, tmp, final, timeout=30).result()
+        client.send(0, Abort(tmp, final), timeout=30).result()
 
   threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
   for t in threads:
@@ -253,7 +253,7 @@ def test_a_dcp_save_at_a_tenants_root_removes_nothing_beside_it(make_server, tmp
     client = ctl.checkpoint_client()
     client.open(0, str(tmp_path / "bob"), ram_steps=1, ram_budget=None, sweep=True).result()
     message = refused(PermissionError, "is in no checkpoint directory client 'bob' opened",
-                      lambda: client.begin(0, Begin(str(tmp_path / "bob"), 1, dcp.FORMAT)).result())
+                      lambda: client.send(0, Begin(str(tmp_path / "bob"), 1, dcp.FORMAT)).result())
     assert str(planted.parent) in message, message
   assert planted.read_text() == "keep" and files_under(planted.parent) == ["keep.txt"]
   # Inside a directory of his own too, a sibling no save made stays where it is.
@@ -263,7 +263,7 @@ def test_a_dcp_save_at_a_tenants_root_removes_nothing_beside_it(make_server, tmp
   with controller(server, BOB) as ctl:
     client = ctl.checkpoint_client()
     client.open(0, str(tmp_path / "bob"), ram_steps=1, ram_budget=None, sweep=True).result()
-    refused(PermissionError, "was not made by one", lambda: client.begin(
+    refused(PermissionError, "was not made by one", lambda: client.send(
         0, Begin(str(tmp_path / "bob" / "ck"), 1, dcp.FORMAT)).result())
   assert inside.read_text() == "keep"
 
@@ -285,7 +285,7 @@ def test_roots_narrowed_by_a_reload_hold_at_the_next_call(make_server, tmp_path)
     with controller(server, BOB) as other:  # a new session, not reopening
       client = other.checkpoint_client()
       refused(PermissionError, "may checkpoint only under its checkpoint_roots",
-              lambda: client.begin(0, Begin(str(directory), 3, "orbax")).result())
+              lambda: client.send(0, Begin(str(directory), 3, "orbax")).result())
       refused(PermissionError, "may checkpoint only under its checkpoint_roots",
               lambda: client.read(0, str(directory / "1" / "default"),
                                   ShardRecord.of(ShardId(("w",), ((0, W.size),)), 0, W),
@@ -303,8 +303,8 @@ def test_an_abort_removes_no_dcp_directory_a_save_did_not_make(make_server, tmp_
   with controller(server, BOB) as ctl:
     client = ctl.checkpoint_client()
     client.open(0, str(tmp_path / "bob"), ram_steps=1, ram_budget=None, sweep=False).result()
-    refused(PermissionError, "was not made by a save", lambda: client.abort(
-        0, str(planted.parent), str(tmp_path / "bob" / "ck"), timeout=10).result())
+    refused(PermissionError, "was not made by a save", lambda: client.send(
+        0, Abort(str(planted.parent), str(tmp_path / "bob" / "ck")), timeout=10).result())
   assert planted.read_text() == "keep"
 
 
@@ -317,18 +317,18 @@ def test_a_plan_nested_past_the_interpreters_depth_is_an_invalid_argument(make_s
   with controller(server, BOB) as ctl:
     client = ctl.checkpoint_client()
     client.open(0, str(path.parent), ram_steps=1, ram_budget=None, sweep=False).result()
-    tmp = client.begin(0, Begin(str(path), 1, dcp.FORMAT)).result()
+    tmp = client.send(0, Begin(str(path), 1, dcp.FORMAT)).result()
     item = dcp.Item(fqn="w", kind="bytes", nbytes=8)
-    client.stage(0, Stage(directory=str(path.parent), step=1, tmp_dir=tmp, final_dir=str(path),
+    client.send(0, Stage(directory=str(path.parent), step=1, tmp_dir=tmp, final_dir=str(path),
                           leaves=[], shards=[staged(("w",), 0, (), np.zeros(8, np.uint8), rank=0)],
                           last=True,
                           extra=dcp.DcpPart(0, 1))).result()
-    sums = client.prepared(0, str(path), timeout=30).result()
+    sums = client.send(0, Prepared(str(path), 30), timeout=30).result()
     _, size = dcp.layout(0, [item])
-    refused(sidecar.InvalidArgumentError, "nested too deeply", lambda: client.commit(
+    refused(sidecar.InvalidArgumentError, "nested too deeply", lambda: client.send(
         0, Commit(tmp_dir=tmp, step=1, num_hosts=1, leaves=[], shards=sums, data_state_json="",
                   whole_step=True, replicas=None,
                   extra=dcp.DcpCommit(b"\x80\x04N.", {0: size}, "[" * 100_000 + "]" * 100_000)),
         timeout=10).result())
     assert not path.exists()
-    client.abort(0, tmp, str(path), timeout=10).result()
+    client.send(0, Abort(tmp, str(path)), timeout=10).result()

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import sidecar
-from sidecar._src.ckptfmt.phases import Begin
+from sidecar._src.ckptfmt.save_values import Begin
 from sidecar._src.server.checkpoint import faults
 from tests.conftest import eventually
 from tests.support.pool_files import ALICE, BOB, controller, write_pool
@@ -71,7 +71,7 @@ def test_a_commit_whose_directory_became_a_symlink_renames_only_its_own_step(
   _saved(server, ALICE, alice, (1,))
   with controller(server, ALICE) as ctl:
     theirs = pathlib.Path(
-        ctl.checkpoint_client().begin(0, Begin(str(alice), 8, "orbax")).result(10))
+        ctl.checkpoint_client().send(0, Begin(str(alice), 8, "orbax")).result(10))
   release = tmp_path / "release"
   monkeypatch.setenv(faults.FAULT_ENV, f"slowrename@8:{release}")
   with controller(server, BOB) as ctl, ctl.checkpointer(str(bob)) as ck:

@@ -11,10 +11,11 @@ import pytest
 from sidecar._src.ckptfmt import registry as formats_lib
 from sidecar._src.ckptfmt.orbax import libs
 from sidecar._src.ckptfmt.orbax.format import OrbaxFormat
-from sidecar._src.ckptfmt.phases import Begin
+from sidecar._src.ckptfmt.save_values import Begin
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
 from sidecar._src.server.checkpoint import ram_tier, roots as roots_lib, save as checkpoint_save
+from sidecar._src.server.checkpoint.caller import Caller
 
 pytestmark = pytest.mark.unit
 
@@ -59,6 +60,6 @@ def test_a_begin_in_a_format_that_cannot_load_is_refused_before_anything_is_made
       roots=roots_lib.Roots(0, (str(tmp_path),)), spawn=lambda *a, **k: None,
       metrics=metrics_lib.Recorder())
   with pytest.raises(errors.InvalidArgumentError, match="format 'orbax' cannot be written"):
-    writer.begin(Begin(str(tmp_path / "ck"), 1, "orbax"), owner="a")
+    writer.begin(Begin(str(tmp_path / "ck"), 1, "orbax"), Caller(owner="a"))
   assert list(tmp_path.iterdir()) == []
-  writer.begin(Begin(str(tmp_path / "ck" / "t"), 1, "dcp"), owner="a")  # DCP's needs none
+  writer.begin(Begin(str(tmp_path / "ck" / "t"), 1, "dcp"), Caller(owner="a"))  # DCP's needs none

@@ -126,9 +126,13 @@ class OwnTmp(FakeSidecars):
     self.tmp_dirs.append(("stage", stage.tmp_dir))
     return super().stage(host, stage)
 
-  def commit(self, host, commit, *, timeout):
+  def commit(self, host, commit):
     self.tmp_dirs.append(("commit", commit.tmp_dir))
-    return super().commit(host, commit, timeout=timeout)
+    return super().commit(host, commit)
+
+  def await_commit(self, host, wait):
+    self.tmp_dirs.append(("commit", wait.tmp_dir))
+    return super().await_commit(host, wait)
 
 
 def test_a_step_is_written_in_the_tmp_directory_begin_answered():

@@ -8,7 +8,7 @@ import threading
 import grpc
 import pytest
 
-from sidecar._src.ckptfmt.phases import Begin, Stage
+from sidecar._src.ckptfmt.save_values import Begin, Stage
 from sidecar._src.controller.checkpoint.client import CheckpointClient
 from sidecar._src.controller.connection import CallWindow
 from sidecar._src.core import errors
@@ -101,7 +101,7 @@ def stage_on(method, *, begin_format, thread="finisher"):
   got = []
 
   def stage():
-    f = client.stage(0, Stage(directory="/ckpt", step=1,
+    f = client.send(0, Stage(directory="/ckpt", step=1,
                               tmp_dir="/ckpt/1.orbax-checkpoint-tmp/default",
                               final_dir="/ckpt/1/default", leaves=[], shards=[], last=True,
                               begin=Begin("/ckpt", 1, begin_format) if begin_format else None))

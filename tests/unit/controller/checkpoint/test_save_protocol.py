@@ -19,8 +19,16 @@ from sidecar._src.ckptfmt.dcp import DcpPart
 from sidecar._src.ckptfmt.format import Format, Uncommitted
 from sidecar._src.ckptfmt.records import Manifest, SavedLeaf, ShardId, ShardRecord
 from sidecar._src.ckptfmt.registry import DCP, DEFAULT, ORBAX
+from sidecar._src.ckptfmt.save_values import Stage
+from sidecar._src.ckptfmt.spec import LeafSpec
 from sidecar._src.controller.checkpoint import staging
-from sidecar._src.controller.checkpoint.save_protocol import SaveProtocol, Target, on_each
+from sidecar._src.controller.checkpoint.save_protocol import (
+  SaveProtocol,
+  Sends,
+  Staging,
+  Target,
+  on_each,
+)
 from sidecar._src.controller.framework import DeviceCopy
 from sidecar._src.core import errors
 from tests.support.fake_sidecars import FakeSidecars, checkpointer
@@ -52,31 +60,33 @@ class Recording(FakeSidecars):
 
   def stage(self, host, stage):
     self.sent.append(("stage", host, len(stage.shards), stage.last, stage.writers,
-                      stage.extra))
+                      stage.extra, stage.leaves))
     return self._phase("stage", host, 0)
 
-  def abort(self, host, tmp_dir, final_dir, *, timeout):
-    self.sent.append(("abort", host, tmp_dir))
+  def abort(self, host, abort):
+    self.sent.append(("abort", host, abort.tmp_dir))
     return self._phase("abort", host, self.committed_at.get(host, ""))
 
-  def committed(self, host, final_dir, manifest_json=""):
-    self.sent.append(("committed", host, manifest_json))
+  def committed(self, host, committed):
+    self.sent.append(("committed", host, committed.manifest_json))
     return self._phase("committed", host, [])
 
 
-def test_a_host_first_lot_carries_the_format_extra_and_its_later_ones_the_rest():
+def test_each_lot_carries_the_format_extra_and_a_host_first_its_leaves():
   fake = Recording([0, 1])
   protocol = SaveProtocol(client=fake, directory="/ckpt", format="dcp", writers={0: [0, 1]})
   target = dcp_begun(7)
-  first = DcpPart(1, 1)
-  rest = DcpPart(1, 2)  # another value only to tell the two apart
+  part = DcpPart(1, 1)
   parts: queue.SimpleQueue = queue.SimpleQueue()
   shard = staged(("w",), 0, (), np.zeros(3, np.uint8), rank=1)
   for host, last in ((0, False), (1, True), (0, True)):
     parts.put(staging.Lot(host, (shard,), last))
-  protocol.stage(target, parts, hosts=[0, 1], extra=first, rest=rest)
-  assert fake.sent == [("stage", 0, 1, False, 2, first), ("stage", 1, 1, True, 1, first),
-                       ("stage", 0, 1, True, 2, rest)]
+  leaves = (LeafSpec(key_path=("w",), shape=(3,), dtype=np.uint8),)
+  first = Stage("/ckpt", 7, target.tmp_dir, target.final_dir, leaves, extra=part)
+  Sends(protocol, Staging(hosts=[0, 1], first=first)).drain(parts)
+  assert fake.sent == [("stage", 0, 1, False, 2, part, leaves),
+                       ("stage", 1, 1, True, 1, part, leaves),
+                       ("stage", 0, 1, True, 2, part, ())]
 
 
 def test_staging_fails_with_the_error_the_copy_put_in_its_parts():
@@ -85,7 +95,7 @@ def test_staging_fails_with_the_error_the_copy_put_in_its_parts():
   parts: queue.SimpleQueue = queue.SimpleQueue()
   staging.Lots([0], parts.put).fail(KeyboardInterrupt())
   with pytest.raises(KeyboardInterrupt):
-    protocol.stage(begun(3), parts, hosts=[0])
+    Sends(protocol, Staging(hosts=[0], first=Stage("/ckpt", 3, "", ""))).drain(parts)
   assert fake.sent == []
 
 
@@ -201,12 +211,12 @@ class Answers(Recording):
     super().__init__(hosts)
     self.answers = answers
 
-  def abort(self, host, tmp_dir, final_dir, *, timeout):
+  def abort(self, host, abort):
     answer = self.answers.get(host, "")
     if not isinstance(answer, BaseException):
       self.committed_at[host] = answer
-      return super().abort(host, tmp_dir, final_dir, timeout=timeout)
-    self.sent.append(("abort", host, tmp_dir))
+      return super().abort(host, abort)
+    self.sent.append(("abort", host, abort.tmp_dir))
     failed: concurrent.futures.Future = concurrent.futures.Future()
     failed.set_exception(answer)
     return failed
@@ -428,12 +438,18 @@ class LayoutSidecars(FakeSidecars):
     self.staged_at.append((stage.tmp_dir, stage.final_dir))
     return super().stage(host, stage)
 
-  def commit(self, host, commit, *, timeout):
-    tmp_dir, step, leaves, shards = commit.tmp_dir, commit.step, commit.leaves, commit.shards
-    data_state_json = commit.data_state_json
+  def commit(self, host, commit):
+    return self._step_committed(host, commit.tmp_dir, commit.step, commit.leaves, commit.shards,
+                                commit.data_state_json)
+
+  def await_commit(self, host, wait):  # as FakeSidecars': the sidecars' agreement
+    found = self.fmt.final_of(pathlib.Path(wait.tmp_dir))
+    leaves, shards, data_state_json, _ = self.agreed(host, wait.tmp_dir,
+                                                     final_dir=str(found.final))
+    return self._step_committed(host, wait.tmp_dir, wait.step, leaves, shards, data_state_json)
+
+  def _step_committed(self, host, tmp_dir, step, leaves, shards, data_state_json):
     found = self.fmt.final_of(pathlib.Path(tmp_dir))
-    if commit.taken_over:  # as FakeSidecars': the sidecars' agreement
-      leaves, shards, data_state_json, _ = self.agreed(host, tmp_dir, final_dir=str(found.final))
     self.manifests[str(found.final)] = Manifest(
         self.fmt.name, tuple(SavedLeaf.of(s) for s in leaves), tuple(shards),
         json.loads(data_state_json) if data_state_json else None, {}, step=step)

@@ -79,7 +79,7 @@ def test_a_rank_copies_are_sent_in_lots_as_the_copy_goes_on_the_calling_thread(m
   run.begin()
   mine = copies(3)  # 16 bytes each: a lot each
   threads = set(threading.enumerate())
-  run.stage_copies(0, mine, extra=DcpPart(0, 3), rest=DcpPart(0, 3))
+  run.stage_copies(0, mine, extra=DcpPart(0, 3))
   assert set(threading.enumerate()) <= threads
   assert set(fake.stagers) == {threading.get_ident()}
   # The last lot goes with the last shard: no empty stage call after it.
@@ -134,12 +134,12 @@ class CommittedAtAbort(Arena):
   """Host 0's commit answers late (its deadline passed) while it goes on, and had
   committed the step by the time its abort came."""
 
-  def abort(self, host, tmp_dir, final_dir, *, timeout):
-    aborted = super().abort(host, tmp_dir, final_dir, timeout=timeout)
+  def abort(self, host, abort):
+    aborted = super().abort(host, abort)
     if host != 0:
       return aborted
     committed: concurrent.futures.Future = concurrent.futures.Future()
-    committed.set_result(final_dir)
+    committed.set_result(abort.final_dir)
     return committed
 
 

@@ -14,8 +14,8 @@ import pytest
 
 from sidecar._src.ckptfmt import records, registry as formats_lib, spec as spec_lib
 from sidecar._src.ckptfmt.orbax.format import OrbaxFormat
-from sidecar._src.ckptfmt.phases import Begin, Commit, Stage
 from sidecar._src.ckptfmt.records import CommitPlan
+from sidecar._src.ckptfmt.save_values import Abort, Begin, Commit, Stage
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
 from sidecar._src.server.checkpoint import (
@@ -25,6 +25,7 @@ from sidecar._src.server.checkpoint import (
   roots as roots_lib,
   save as checkpoint_save,
 )
+from sidecar._src.server.checkpoint.caller import Caller
 from sidecar._src.server.checkpoint.step import Takeover
 from tests.conftest import eventually
 from tests.support.staged import staged
@@ -110,7 +111,7 @@ def begin(hosts, tmp_path, *, alive=lambda: True):
   """Host 0 begins step 3; its item's tmp and final directories."""
   directory = str(tmp_path / "ck")
   hosts[0].writer.open(directory)
-  tmp = hosts[0].writer.begin(Begin(directory, STEP, "orbax"), owner="trainer", alive=alive)
+  tmp = hosts[0].writer.begin(Begin(directory, STEP, "orbax"), Caller(owner="trainer", alive=alive))
   return directory, os.path.join(tmp, spec_lib.ITEM), str(tmp_path / "ck" / str(STEP) /
                                                            spec_lib.ITEM)
 
@@ -120,8 +121,8 @@ def stage(host, directory, tmp_dir, final, *, rows, plan, alive):
   data = np.full((rows[1] - rows[0], 2), float(host.id + 1), np.float32)
   return host.writer.stage(Stage(directory, STEP, tmp_dir, final, SPECS,
                                  [staged(("w",), 0, (rows, (0, 2)), data)], last=True,
-                                 plan=plan),
-                           owner="trainer", worker=f"w{host.id}", alive=alive)
+                                 plan=plan), Caller(owner="trainer", worker=f"w{host.id}",
+                                                    alive=alive))
 
 
 def plan(hosts=(0, 1), **kw):
@@ -252,7 +253,8 @@ def test_one_host_commits_a_step_whose_trainer_died_and_refuses_the_trainers_com
   stage(hosts[0], directory, tmp_dir, final, rows=(0, 4), plan=plan(hosts=(0,)),
         alive=lambda: False)
   with pytest.raises(errors.PermissionDeniedError, match="being committed already"):
-    hosts[0].writer.commit(Commit(tmp_dir, STEP, 1, SPECS, [], "", True), owner="trainer")
+    hosts[0].writer.commit(Commit(tmp_dir=tmp_dir, step=STEP, num_hosts=1, leaves=SPECS, shards=[],
+                                  data_state_json="", whole_step=True), Caller(owner="trainer"))
   fmt.gates[0].set()
   assert hosts[0].agreements.await_commit(os.path.realpath(tmp_dir), STEP, "trainer",
                                           30) == str(tmp_path / "ck" / str(STEP))
@@ -267,7 +269,8 @@ def test_a_part_whose_committer_never_began_the_save_is_refused(job, tmp_path):
   hosts, _, _ = job
   directory = str(tmp_path / "ck")
   hosts[1].writer.open(directory)
-  tmp_dir = os.path.join(hosts[1].writer.begin(Begin(directory, STEP, "orbax"), owner="trainer"),
+  tmp_dir = os.path.join(hosts[1].writer.begin(Begin(directory, STEP, "orbax"),
+                                               Caller(owner="trainer")),
                          spec_lib.ITEM)
   final = str(tmp_path / "ck" / str(STEP) / spec_lib.ITEM)
   with pytest.raises(errors.ClosedError, match="its committer, host 0, knows no such save"):
@@ -284,7 +287,7 @@ def test_a_step_saved_again_after_an_abort_waits_for_its_own_commit(job, tmp_pat
         alive=lambda: True)
   hosts[0].agreements.abort(final)  # as the service's Abort: the agreement, then the part
   fmt.gates[0].set()  # (its write ends, abandoned)
-  hosts[0].writer.abort(os.path.dirname(tmp_dir), final)
+  hosts[0].writer.abort(Abort(os.path.dirname(tmp_dir), final), Caller())
   directory, tmp_dir, final = begin(hosts, tmp_path)
   stage(hosts[0], directory, tmp_dir, final, rows=(0, 4),
         plan=dataclasses.replace(plan(hosts=(0,)), save="s2"), alive=lambda: True)

@@ -17,7 +17,7 @@ import pytest
 from sidecar._src.ckptfmt import dir_fd, records, registry as formats_lib, spec as spec_lib
 from sidecar._src.ckptfmt.dcp import commit as dcp_commit
 from sidecar._src.ckptfmt.orbax.format import OrbaxFormat
-from sidecar._src.ckptfmt.phases import Begin, Commit, Stage
+from sidecar._src.ckptfmt.save_values import Abort, Begin, Commit, Prepared, Stage
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
 from sidecar._src.server.checkpoint import (
@@ -28,6 +28,7 @@ from sidecar._src.server.checkpoint import (
   step as step_lib,
   write as write_lib,
 )
+from sidecar._src.server.checkpoint.caller import Caller
 from tests.conftest import eventually
 from tests.support import races
 from tests.support.ram_steps import AsStaged
@@ -92,7 +93,7 @@ def make_writer(tmp_path):
 def begun(writer, tmp_path, step, owner="a"):
   directory = str(tmp_path / "ck")
   writer.open(directory)
-  tmp_step = writer.begin(Begin(directory, step, "orbax"), owner=owner)
+  tmp_step = writer.begin(Begin(directory, step, "orbax"), Caller(owner=owner))
   final = str(tmp_path / "ck" / str(step) / spec_lib.ITEM)
   return directory, os.path.join(tmp_step, spec_lib.ITEM), final
 
@@ -102,17 +103,19 @@ def test_parts_are_written_as_they_come_and_two_writers_make_one_step(make_write
   writer, tier = make_writer(engine)
   directory, tmp_dir, final = begun(writer, tmp_path, 3)
   stage = lambda shards, last, owner: writer.stage(Stage(directory, 3, tmp_dir, final, SPECS,
-                                                         shards, last=last, writers=2), owner=owner)
+                                                         shards, last=last, writers=2),
+                                                   Caller(owner=owner))
   stage([shard(0, ((0, 2), (0, 2)), 1.0)], False, "a")
   assert engine.first.wait(30)  # written before the rest is staged
   assert engine.seen == [(0, ((0, 2), (0, 2)))]
   stage([shard(0, ((2, 4), (0, 2)), 2.0)], True, "a")
   assert tier.find(final).phase is step_lib.Phase.STAGING  # the other process's last part is due
   assert stage([shard(1, ((0, 3),), 7)], True, "b") == 16 + 16 + 12
-  sums = writer.prepared(final, timeout=30)
+  sums = writer.prepared(Prepared(final), Caller(wait_s=30))
   assert sorted((c.key_path, c.index, c.host) for c in sums) == [
       (("b",), ((0, 3),), 0), (("w",), ((0, 2), (0, 2)), 0), (("w",), ((2, 4), (0, 2)), 0)]
-  committed = writer.commit(Commit(tmp_dir, 3, 1, SPECS, sums, '{"batch": 5}', True), owner="a")
+  committed = writer.commit(Commit(tmp_dir=tmp_dir, step=3, num_hosts=1, leaves=SPECS, shards=sums,
+                                   data_state_json='{"batch": 5}'), Caller(owner="a"))
   assert committed == str(tmp_path / "ck" / "3")
   with open(os.path.join(final, records.MANIFEST_FILE)) as f:
     manifest = json.load(f)
@@ -127,15 +130,16 @@ def test_a_write_failure_is_a_checkpoint_write_error_and_the_step_is_never_commi
                                                  path)))
   directory, tmp_dir, final = begun(writer, tmp_path, 4)
   writer.stage(Stage(directory, 4, tmp_dir, final, SPECS, [shard(1, ((0, 3),), 1)], last=True),
-               owner="a")
+               Caller(owner="a"))
   with pytest.raises(errors.CheckpointWriteError, match=r"host 0 could not write step 4: "
                      r"No space left on device \(ENOSPC\)") as e:
-    writer.prepared(final, timeout=30)
+    writer.prepared(Prepared(final), Caller(wait_s=30))
   assert (e.value.errno, e.value.path, e.value.host_id) == (errno.ENOSPC, path, 0)
   with pytest.raises(errors.CheckpointWriteError, match=r"^host 0 could not write step 4: "
                      r"No space left on device \(ENOSPC\)"):  # the write's own error
-    writer.commit(Commit(tmp_dir, 4, 1, SPECS, [], "", True), owner="a")
-  writer.abort(os.path.dirname(tmp_dir), final)
+    writer.commit(Commit(tmp_dir=tmp_dir, step=4, num_hosts=1, leaves=SPECS, shards=[],
+                         data_state_json="", whole_step=True), Caller(owner="a"))
+  writer.abort(Abort(os.path.dirname(tmp_dir), final), Caller())
   assert os.listdir(directory) == []  # no step, no tmp directory
 
 
@@ -157,9 +161,8 @@ def test_a_part_staged_after_its_saves_write_failed_is_told_the_failure(make_wri
   engine = Recording(fail=OSError(errno.ENOSPC, "No space left on device", path))
   writer, tier = make_writer(engine)
   directory, tmp_dir, final = begun(writer, tmp_path, 4)
-  part = lambda shards, last: writer.stage(
-      Stage(directory, 4, tmp_dir, final, SPECS, shards, last=last), owner="a",
-      **LIVENESS[trainer])
+  part = lambda shards, last: writer.stage(Stage(directory, 4, tmp_dir, final, SPECS, shards,
+                                                 last=last), Caller(owner="a", **LIVENESS[trainer]))
   part([shard(0, ((0, 2), (0, 2)), 1.0)], False)
   own = tier.find(final)
   assert own.wait_written(30) and own.phase is step_lib.Phase.FAILED
@@ -171,8 +174,9 @@ def test_a_part_staged_after_its_saves_write_failed_is_told_the_failure(make_wri
   assert tier.find(final) is own  # nothing new begun in its place
   with pytest.raises(errors.CheckpointWriteError, match=r"^host 0 could not write step 4: "
                      r"No space left on device \(ENOSPC\) writing .*; make room there"):
-    writer.commit(Commit(tmp_dir, 4, 1, SPECS, [], "", True), owner="a")
-  writer.abort(os.path.dirname(tmp_dir), final)
+    writer.commit(Commit(tmp_dir=tmp_dir, step=4, num_hosts=1, leaves=SPECS, shards=[],
+                         data_state_json="", whole_step=True), Caller(owner="a"))
+  writer.abort(Abort(os.path.dirname(tmp_dir), final), Caller())
   assert tier.find(final) is None and own.phase is step_lib.Phase.DROPPED
 
 
@@ -187,9 +191,9 @@ def test_another_writers_part_after_the_write_failed_is_told_the_failure(
   engine = Recording(fail=OSError(errno.EIO, "Input/output error", "w/0"))
   writer, tier = make_writer(engine)
   directory, tmp_dir, final = begun(writer, tmp_path, 4)
-  part = lambda owner, shards: writer.stage(
-      Stage(directory, 4, tmp_dir, final, SPECS, shards, last=True, writers=2), owner=owner,
-      **LIVENESS[trainer])
+  part = lambda owner, shards: writer.stage(Stage(directory, 4, tmp_dir, final, SPECS, shards,
+                                                  last=True, writers=2), Caller(owner=owner,
+                                                                                **LIVENESS[trainer]))
   part("a", [shard(0, ((0, 2), (0, 2)), 1.0)])
   own = tier.find(final)
   assert own.wait_written(30) and own.phase is step_lib.Phase.FAILED
@@ -204,7 +208,7 @@ def test_another_writers_part_after_the_write_failed_is_told_the_failure(
   whole = [shard(0, ((0, 2), (0, 2)), 1.0), shard(0, ((2, 4), (0, 2)), 2.0),
            shard(1, ((0, 3),), 7)]
   writer.stage(Stage(directory, 4, tmp_dir, final, SPECS, whole, last=True, writers=1),
-               owner="b", **LIVENESS[trainer])
+               Caller(owner="b", **LIVENESS[trainer]))
   assert tier.find(final) is not own and own.phase is step_lib.Phase.DROPPED
 
 
@@ -218,7 +222,7 @@ def test_a_failed_step_kept_for_its_trainer_expires_as_an_uncommitted_one(make_w
   writer, tier = make_writer(Recording(fail=OSError(errno.ENOSPC, "No space left on device")))
   directory, tmp_dir, final = begun(writer, tmp_path, 4)
   writer.stage(Stage(directory, 4, tmp_dir, final, SPECS, [shard(1, ((0, 3),), 1)],
-                     last=False), owner="a")
+                     last=False), Caller(owner="a"))
   own = tier.find(final)
   assert own.wait_written(30) and own.phase is step_lib.Phase.FAILED
   assert eventually(lambda: own.shards == {})  # its bytes let go at the failure
@@ -238,10 +242,10 @@ def test_abort_stops_a_writer_waiting_for_parts_and_lets_the_blocks_go(make_writ
   writer, tier = make_writer(engine)
   directory, tmp_dir, final = begun(writer, tmp_path, 5)
   part = [shard(0, ((0, 2), (0, 2)), 1.0)]
-  writer.stage(Stage(directory, 5, tmp_dir, final, SPECS, part, last=False), owner="a")
+  writer.stage(Stage(directory, 5, tmp_dir, final, SPECS, part, last=False), Caller(owner="a"))
   assert engine.first.wait(30)
   own = tier.find(final)
-  writer.abort(os.path.dirname(tmp_dir), final)
+  writer.abort(Abort(os.path.dirname(tmp_dir), final), Caller())
   assert own.wait_written(0) and isinstance(own.error, errors.ClosedError)
   assert own.phase is step_lib.Phase.DROPPED  # aborted mid-write: its write's end recorded
   assert tier.find(final) is None and own.shards == {}
@@ -252,17 +256,19 @@ def test_another_session_neither_stages_into_nor_commits_a_save(make_writer, tmp
   writer, _ = make_writer(Recording())
   directory, tmp_dir, final = begun(writer, tmp_path, 6)
   writer.stage(Stage(directory, 6, tmp_dir, final, SPECS, [shard(1, ((0, 3),), 1)], last=False),
-               owner="a")
+               Caller(owner="a"))
   with pytest.raises(errors.PermissionDeniedError, match="being saved by another session"):
-    writer.stage(Stage(directory, 6, tmp_dir, final, SPECS, [], last=True), owner="b")
+    writer.stage(Stage(directory, 6, tmp_dir, final, SPECS, [], last=True), Caller(owner="b"))
   with pytest.raises(errors.PermissionDeniedError, match="being saved by another session"):
-    writer.begin(Begin(directory, 6, "orbax"), owner="b")
+    writer.begin(Begin(directory, 6, "orbax"), Caller(owner="b"))
   writer.stage(Stage(directory, 6, tmp_dir, final, SPECS, [shard(0, ((0, 4), (0, 2)), 2.0)],
-                     last=True), owner="a")
-  sums = writer.prepared(final, timeout=30)
+                     last=True), Caller(owner="a"))
+  sums = writer.prepared(Prepared(final), Caller(wait_s=30))
   with pytest.raises(errors.PermissionDeniedError, match="a session commits only the save"):
-    writer.commit(Commit(tmp_dir, 6, 1, SPECS, sums, "", True), owner="b")
-  writer.commit(Commit(tmp_dir, 6, 1, SPECS, sums, "", True), owner="a")
+    writer.commit(Commit(tmp_dir=tmp_dir, step=6, num_hosts=1, leaves=SPECS, shards=sums,
+                         data_state_json="", whole_step=True), Caller(owner="b"))
+  writer.commit(Commit(tmp_dir=tmp_dir, step=6, num_hosts=1, leaves=SPECS, shards=sums,
+                       data_state_json="", whole_step=True), Caller(owner="a"))
   assert sorted(os.listdir(directory)) == ["6"]
 
 
@@ -273,10 +279,9 @@ def test_a_shard_of_a_leaf_the_step_lacks_is_refused_and_nothing_is_staged(make_
                      match=r"^step 7 on host 0: shard of leaf 2: the step has 2 leaves$"):
     writer.stage(Stage(directory, 7, tmp_dir, final, SPECS,
                        [shard(1, ((0, 3),), 1), staged(("c",), 2, ((0, 1),), np.zeros(1))],
-                       last=False),
-                 owner="a")
+                       last=False), Caller(owner="a"))
   assert tier.find(final).shards == {} and tier.find(final).nbytes == 0
-  writer.abort(os.path.dirname(tmp_dir), final)
+  writer.abort(Abort(os.path.dirname(tmp_dir), final), Caller())
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -294,9 +299,9 @@ def test_a_record_that_names_another_shard_is_refused(make_writer, tmp_path, bad
   directory, tmp_dir, final = begun(writer, tmp_path, 7)
   with pytest.raises(errors.InvalidArgumentError, match=match):
     writer.stage(Stage(directory, 7, tmp_dir, final, SPECS, [shard(0, ((0, 2), (0, 2)), 1), bad],
-                       last=False), owner="a")
+                       last=False), Caller(owner="a"))
   assert tier.find(final).shards == {} and tier.find(final).nbytes == 0
-  writer.abort(os.path.dirname(tmp_dir), final)
+  writer.abort(Abort(os.path.dirname(tmp_dir), final), Caller())
 
 
 def test_a_format_part_the_steps_format_does_not_take_is_refused(make_writer, tmp_path):
@@ -306,10 +311,11 @@ def test_a_format_part_the_steps_format_does_not_take_is_refused(make_writer, tm
   with pytest.raises(errors.InvalidArgumentError,
                      match=r"stage: a Stage of a step in orbax's layout carries no format extra, "
                      r"got DcpPart"):
-    writer.stage(Stage(directory, 8, tmp_dir, final, SPECS, [], extra=DcpPart(0, 0)), owner="a")
+    writer.stage(Stage(directory, 8, tmp_dir, final, SPECS, [], extra=DcpPart(0, 0)),
+                 Caller(owner="a"))
   with pytest.raises(errors.InvalidArgumentError, match=r"format must be one of the registered "
                      rf"formats {NAMES}, got 'safetensors'"):
-    writer.begin(Begin(directory, 9, "safetensors"), owner="a")
+    writer.begin(Begin(directory, 9, "safetensors"), Caller(owner="a"))
 
 
 def test_another_sessions_begin_is_refused_from_the_firsts_begin_while_its_trainer_is_there(
@@ -320,19 +326,19 @@ def test_another_sessions_begin_is_refused_from_the_firsts_begin_while_its_train
   there = [True]
   directory = str(tmp_path / "ck")
   writer.open(directory)
-  tmp = writer.begin(Begin(directory, 2, "orbax"), owner="a", alive=lambda: there[0])
+  tmp = writer.begin(Begin(directory, 2, "orbax"), Caller(owner="a", alive=lambda: there[0]))
   with pytest.raises(errors.PermissionDeniedError,
                      match=r"begin: step 2 of '.*ck' is being saved by another session \(another "
                            r"trainer process or Controller\) on host 0: another save of step 2 "
                            r"into this directory is in flight"):
-    writer.begin(Begin(directory, 2, "orbax"), owner="b", alive=lambda: True)
+    writer.begin(Begin(directory, 2, "orbax"), Caller(owner="b", alive=lambda: True))
   assert writer.open(directory) == [] and os.path.isdir(tmp)  # no sweep of it either
-  assert writer.begin(Begin(directory, 2, "orbax"), owner="a",
-                      alive=lambda: there[0]) == tmp  # a retry
+  assert writer.begin(Begin(directory, 2, "orbax"),
+                      Caller(owner="a", alive=lambda: there[0])) == tmp  # a retry
   there[0] = False  # its worker's connection closed: its process died
-  assert writer.begin(Begin(directory, 2, "orbax"), owner="b", alive=lambda: True) == tmp
-  writer.abort(tmp, str(tmp_path / "ck" / "2" / spec_lib.ITEM))  # ends b's save
-  assert writer.begin(Begin(directory, 2, "orbax"), owner="c") == tmp
+  assert writer.begin(Begin(directory, 2, "orbax"), Caller(owner="b", alive=lambda: True)) == tmp
+  writer.abort(Abort(tmp, str(tmp_path / "ck" / "2" / spec_lib.ITEM)), Caller())  # ends b's save
+  assert writer.begin(Begin(directory, 2, "orbax"), Caller(owner="c")) == tmp
 
 
 def test_a_begun_save_is_in_flight_until_committed_and_one_that_never_stages_goes(
@@ -340,18 +346,19 @@ def test_a_begun_save_is_in_flight_until_committed_and_one_that_never_stages_goe
   writer, _ = make_writer(Recording())
   directory, tmp_dir, final = begun(writer, tmp_path, 3)  # its trainer's liveness not known
   writer.stage(Stage(directory, 3, tmp_dir, final, SPECS, [shard(0, ((0, 4), (0, 2)), 1.0),
-                     shard(1, ((0, 3),), 1)]), owner="a")
-  sums = writer.prepared(final, timeout=30)
-  writer.commit(Commit(tmp_dir, 3, 1, SPECS, sums, "", True), owner="a")
+                     shard(1, ((0, 3),), 1)]), Caller(owner="a"))
+  sums = writer.prepared(Prepared(final), Caller(wait_s=30))
+  writer.commit(Commit(tmp_dir=tmp_dir, step=3, num_hosts=1, leaves=SPECS, shards=sums,
+                       data_state_json="", whole_step=True), Caller(owner="a"))
   # Not refused as in flight (it ended): a race lost, the documented error, no FileExistsError.
   with pytest.raises(errors.PermissionDeniedError,
                      match=r"begin: step 3 of '.*ck' is being saved by another checkpointer, or "
                            r"was: step 3 is already committed at .*ck/3; a save never replaces "
                            r"a committed step"):
-    writer.begin(Begin(directory, 3, "orbax"), owner="b")
+    writer.begin(Begin(directory, 3, "orbax"), Caller(owner="b"))
   monkeypatch.setattr(write_lib, "STAGE_TIMEOUT_S", 0.0)  # no Stage came in time
-  writer.begin(Begin(directory, 4, "orbax"), owner="a", alive=lambda: True)
-  writer.begin(Begin(directory, 4, "orbax"), owner="b", alive=lambda: True)
+  writer.begin(Begin(directory, 4, "orbax"), Caller(owner="a", alive=lambda: True))
+  writer.begin(Begin(directory, 4, "orbax"), Caller(owner="b", alive=lambda: True))
 
 
 def test_a_begin_that_loses_the_race_to_another_sidecars_begin_says_so(make_writer, tmp_path,
@@ -369,16 +376,16 @@ def test_a_begin_that_loses_the_race_to_another_sidecars_begin_says_so(make_writ
     real(path, *args, **kwargs)
     if pending and pathlib.Path(path).name == pending[0].name:  # (relative to its directory)
       pending.clear()
-      theirs.begin(Begin(directory, 5, "orbax"), owner="b")
+      theirs.begin(Begin(directory, 5, "orbax"), Caller(owner="b"))
   monkeypatch.setattr(shutil, "rmtree", rmtree)
   with pytest.raises(errors.PermissionDeniedError,
                      match=r"begin: step 5 of '.*ck' is being saved by another checkpointer, or "
                            rf"was: File exists \({re.escape(str(tmp))}\); a save never replaces "
                            r"a committed step: save each step of a directory from one "
                            r"checkpointer \(one job per directory\)"):
-    ours.begin(Begin(directory, 5, "orbax"), owner="a")
+    ours.begin(Begin(directory, 5, "orbax"), Caller(owner="a"))
   assert not pending and tmp.is_dir()  # the race happened; their save's directory stands
-  assert ours.begin(Begin(directory, 6, "orbax"), owner="a")  # and ours serves on
+  assert ours.begin(Begin(directory, 6, "orbax"), Caller(owner="a"))  # and ours serves on
 
 
 class HeldFinish(Recording):
@@ -411,7 +418,9 @@ def begun_by_stage(writer, tmp_path, step):
   directory = str(tmp_path / "ck")
   writer.open(directory)
   tmp_dir, final = OrbaxFormat().staged_dirs(OrbaxFormat().tmp_of(directory, step))
-  tmp_step, finish = writer.begin_staged(Begin(directory, step, "orbax"), tmp_dir, owner="a")
+  tmp_step, finish = writer.begin_staged(
+      Stage(directory, step, tmp_dir, final, begin=Begin(directory, step, "orbax")),
+      Caller(owner="a"))
   assert tmp_step == os.path.dirname(tmp_dir)
   return directory, tmp_dir, final, finish
 
@@ -433,16 +442,18 @@ def test_a_stage_that_begins_its_step_answers_before_its_metadata_is_written(mak
   assert os.listdir(leftover) == []  # made anew before it answers
   whole = [shard(0, ((0, 2), (0, 2)), 1.0), shard(0, ((2, 4), (0, 2)), 2.0),
            shard(1, ((0, 3),), 7)]
-  assert writer.stage(Stage(directory, 3, tmp_dir, final, SPECS, whole, last=True), owner="a",
-                      finish_tmp=finish) == 16 + 16 + 12
+  assert writer.stage(Stage(directory, 3, tmp_dir, final, SPECS, whole, last=True),
+                      Caller(owner="a"), finish_tmp=finish) == 16 + 16 + 12
   assert engine.finishing.wait(30)  # its writer finishes it: held, and the Stage answered
   assert os.listdir(leftover) == [] and engine.seen == []
   with pytest.raises(errors.PermissionDeniedError, match="being saved by another session"):
-    writer.begin(Begin(directory, 3, "orbax"), owner="b", alive=lambda: True)  # begun: in flight
+    writer.begin(Begin(directory, 3, "orbax"),
+                 Caller(owner="b", alive=lambda: True))  # begun: in flight
   engine.release.set()
-  sums = writer.prepared(final, timeout=30)
+  sums = writer.prepared(Prepared(final), Caller(wait_s=30))
   assert engine.finished_on == ["sidecar-ckpt-3"]
-  assert writer.commit(Commit(tmp_dir, 3, 1, SPECS, sums, "", True), owner="a") == str(
+  assert writer.commit(Commit(tmp_dir=tmp_dir, step=3, num_hosts=1, leaves=SPECS, shards=sums,
+                              data_state_json="", whole_step=True), Caller(owner="a")) == str(
       tmp_path / "ck" / "3")
   assert os.listdir(directory) == ["3"]
   assert not (tmp_path / "ck" / "3" / spec_lib.ITEM / "stale").exists()
@@ -461,15 +472,16 @@ def test_a_step_begun_by_a_stage_keeps_the_parts_other_hosts_wrote_before_it_fin
   theirs, _ = make_writer(Recording(), host=1)
   directory, tmp_dir, final, finish = begun_by_stage(ours, tmp_path, 4)
   ours.stage(Stage(directory, 4, tmp_dir, final, SPECS, [shard(0, ((0, 2), (0, 2)), 1.0)],
-                   last=True), owner="a", finish_tmp=finish)
+                   last=True), Caller(owner="a"), finish_tmp=finish)
   assert engine.finishing.wait(30)  # held: host 0's writer has not finished it yet
   theirs.stage(Stage(directory, 4, tmp_dir, final, SPECS,  # host 1, told the step is begun
-                     [shard(0, ((2, 4), (0, 2)), 2.0), shard(1, ((0, 3),), 7)], last=True),
-               owner="a")
-  written = theirs.prepared(final, timeout=30)  # host 1's part is on storage
+                     [shard(0, ((2, 4), (0, 2)), 2.0),
+                      shard(1, ((0, 3),), 7)], last=True), Caller(owner="a"))
+  written = theirs.prepared(Prepared(final), Caller(wait_s=30))  # host 1's part is on storage
   engine.release.set()
-  sums = ours.prepared(final, timeout=30) + written
-  assert ours.commit(Commit(tmp_dir, 4, 2, SPECS, sums, "", True), owner="a") == str(
+  sums = ours.prepared(Prepared(final), Caller(wait_s=30)) + written
+  assert ours.commit(Commit(tmp_dir=tmp_dir, step=4, num_hosts=2, leaves=SPECS, shards=sums,
+                            data_state_json="", whole_step=True), Caller(owner="a")) == str(
       tmp_path / "ck" / "4")
   committed = tmp_path / "ck" / "4" / spec_lib.ITEM
   assert sorted(os.listdir(committed / "array_metadatas")) == ["process_0", "process_1"]
@@ -484,20 +496,21 @@ def test_a_step_whose_directory_could_not_be_finished_fails_as_a_failed_write(ma
   writer, tier = make_writer(engine)
   directory, tmp_dir, final, finish = begun_by_stage(writer, tmp_path, 4)
   writer.stage(Stage(directory, 4, tmp_dir, final, SPECS, [shard(1, ((0, 3),), 7)], last=True),
-               owner="a", finish_tmp=finish)
+               Caller(owner="a"), finish_tmp=finish)
   engine.release.set()
   with pytest.raises(errors.CheckpointWriteError,
                      match=r"host 0 could not write step 4: No space left on device \(ENOSPC\) "
                            r"writing meta"):
-    writer.prepared(final, timeout=30)
+    writer.prepared(Prepared(final), Caller(wait_s=30))
   assert engine.seen == []  # nothing written
   with pytest.raises(errors.CheckpointWriteError, match=r"No space left on device \(ENOSPC\) "
                      r"writing meta"):  # the write's own error
-    writer.commit(Commit(tmp_dir, 4, 1, SPECS, [], "", True), owner="a")
-  writer.abort(os.path.dirname(tmp_dir), final)
+    writer.commit(Commit(tmp_dir=tmp_dir, step=4, num_hosts=1, leaves=SPECS, shards=[],
+                         data_state_json="", whole_step=True), Caller(owner="a"))
+  writer.abort(Abort(os.path.dirname(tmp_dir), final), Caller())
   assert os.listdir(directory) == [] and tier.find(final) is None
   engine.fail_finishing = None
-  assert writer.begin(Begin(directory, 4, "orbax"), owner="b")  # not in flight any more
+  assert writer.begin(Begin(directory, 4, "orbax"), Caller(owner="b"))  # not in flight any more
 
 
 class Pruned(OrbaxFormat):
@@ -539,7 +552,7 @@ def test_an_abort_another_hosts_abort_finishes_first_is_not_refused(
   writer, _ = make_writer(Recording())
   tmp = dcp_commit.create_tmp(tmp_path / "ck" / "ckpt")
   pending = races.removed_first(monkeypatch, dcp_commit, "is_ours", tmp)  # the other's abort
-  writer.abort(str(tmp), str(tmp_path / "ck" / "ckpt"))
+  writer.abort(Abort(str(tmp), str(tmp_path / "ck" / "ckpt")), Caller())
   assert not pending and os.listdir(tmp_path / "ck") == []
 
 
@@ -557,7 +570,7 @@ def test_an_uncommitted_directory_is_never_seen_half_removed(make_writer, tmp_pa
     return real(path, *args, **kwargs)
   monkeypatch.setattr(dir_fd.shutil, "rmtree", watched)
   if how == "abort":
-    writer.abort(str(tmp), str(tmp_path / "ck" / "ckpt"))
+    writer.abort(Abort(str(tmp), str(tmp_path / "ck" / "ckpt")), Caller())
   else:
     writer.open(str(tmp_path / "ck"))
   assert [there for _, there in seen] == [False]  # its name was gone when its files went
@@ -576,14 +589,15 @@ def test_tensorstores_full_disk_is_a_checkpoint_write_error_naming_the_file(make
       "device [os_error_code='28']")
   writer, _ = make_writer(Recording(fail=failure))
   directory, tmp_dir, final = begun(writer, tmp_path, 4)
-  writer.stage(Stage(directory, 4, tmp_dir, final, SPECS, [shard(1, ((0, 3),), 1)]), owner="a")
+  writer.stage(Stage(directory, 4, tmp_dir, final, SPECS, [shard(1, ((0, 3),), 1)]),
+               Caller(owner="a"))
   with pytest.raises(errors.CheckpointWriteError, match=r"host 0 could not write step 4: No "
                      r"space left on device \(RESOURCE_EXHAUSTED") as e:
-    writer.prepared(final, timeout=30)
+    writer.prepared(Prepared(final), Caller(wait_s=30))
   path = os.path.join(os.path.realpath(tmp_dir), "b", "0")
   assert (e.value.errno, e.value.path, e.value.host_id) == (errno.ENOSPC, path, 0)
   assert "/proc/self/fd" not in str(e.value) and f"(ENOSPC) writing {path}" in str(e.value)
-  writer.abort(os.path.dirname(tmp_dir), final)
+  writer.abort(Abort(os.path.dirname(tmp_dir), final), Caller())
 
 
 def test_an_abort_of_a_dcp_save_again_at_a_committed_path_is_that_saves(make_writer, tmp_path):
@@ -601,8 +615,8 @@ def test_an_abort_of_a_dcp_save_again_at_a_committed_path_is_that_saves(make_wri
   older.commit_gate.end(path)  # committed here at `path`, and still held
   tier.add(older)
   tier.mark_committed(path)
-  tmp = writer.begin(Begin(path, 1, "dcp"), owner="a")  # the new save of the path
-  assert writer.abort(tmp, path) == ""
+  tmp = writer.begin(Begin(path, 1, "dcp"), Caller(owner="a"))  # the new save of the path
+  assert writer.abort(Abort(tmp, path), Caller()) == ""
   assert not os.path.exists(tmp)
 
 
@@ -615,17 +629,19 @@ def test_an_open_keeps_a_step_waiting_for_its_commit_and_sweeps_one_whose_traine
   there = [True]
   directory, tmp_dir, final = begun(writer, tmp_path, 3)  # its trainer's liveness not known
   writer.stage(Stage(directory, 3, tmp_dir, final, SPECS, [shard(0, ((0, 4), (0, 2)), 1.0),
-                     shard(1, ((0, 3),), 1)]), owner="a")
-  sums = writer.prepared(final, timeout=30)
-  tmp4 = writer.begin(Begin(directory, 4, "orbax"), owner="b", alive=lambda: there[0])
+                     shard(1, ((0, 3),), 1)]), Caller(owner="a"))
+  sums = writer.prepared(Prepared(final), Caller(wait_s=30))
+  tmp4 = writer.begin(Begin(directory, 4, "orbax"), Caller(owner="b", alive=lambda: there[0]))
   final4 = str(tmp_path / "ck" / "4" / spec_lib.ITEM)
   writer.stage(Stage(directory, 4, os.path.join(tmp4, spec_lib.ITEM), final4, SPECS,
-                     [shard(1, ((0, 3),), 4)]), owner="b", worker="w", alive=lambda: there[0])
-  writer.prepared(final4, timeout=30)
+                     [shard(1, ((0, 3),), 4)]), Caller(owner="b", worker="w",
+                                                       alive=lambda: there[0]))
+  writer.prepared(Prepared(final4), Caller(wait_s=30))
   there[0] = False  # its trainer died before its commit: its step is a dead save's
   assert writer.open(directory) == []
   assert os.path.isdir(tmp_dir) and not os.path.exists(tmp4)
-  assert writer.commit(Commit(tmp_dir, 3, 1, SPECS, sums, "", True), owner="a") == str(
+  assert writer.commit(Commit(tmp_dir=tmp_dir, step=3, num_hosts=1, leaves=SPECS, shards=sums,
+                              data_state_json="", whole_step=True), Caller(owner="a")) == str(
       tmp_path / "ck" / "3")
 
 
@@ -641,17 +657,18 @@ def test_another_sessions_begin_during_a_commit_is_refused_and_removes_nothing(
   writer, _ = make_writer(Recording())
   directory, tmp_dir, final = begun(writer, tmp_path, 3)
   writer.stage(Stage(directory, 3, tmp_dir, final, SPECS, [shard(0, ((0, 4), (0, 2)), 1.0),
-                     shard(1, ((0, 3),), 1)]), owner="a")
-  sums = writer.prepared(final, timeout=30)
+                     shard(1, ((0, 3),), 1)]), Caller(owner="a"))
+  sums = writer.prepared(Prepared(final), Caller(wait_s=30))
   committed = []
   commit = threading.Thread(target=lambda: committed.append(writer.commit(
-      Commit(tmp_dir, 3, 1, SPECS, sums, "", True), owner="a")))
+      Commit(tmp_dir=tmp_dir, step=3, num_hosts=1, leaves=SPECS, shards=sums),
+      Caller(owner="a"))))
   commit.start()
   try:
     assert eventually(lambda: "holding slowrename of step 3" in caplog.text, 30)
     with pytest.raises(errors.PermissionDeniedError, match=r"begin: step 3 of '.*ck' is being "
                        r"saved by another session"):
-      writer.begin(Begin(directory, 3, "orbax"), owner="b", alive=lambda: True)
+      writer.begin(Begin(directory, 3, "orbax"), Caller(owner="b", alive=lambda: True))
   finally:
     release.touch()
     commit.join(60)
@@ -671,5 +688,5 @@ def test_a_symlink_where_a_steps_uncommitted_directory_goes_is_in_the_way_not_fo
   (directory / name).symlink_to(tmp_path / "elsewhere")
   with pytest.raises(errors.PermissionDeniedError):
     writer.begin(Begin(str(directory / "m") if fmt == "dcp" else str(directory), 5, fmt),
-                 owner="a")
+                 Caller(owner="a"))
   assert (directory / name).is_symlink() and os.listdir(tmp_path / "elsewhere") == ["keep"]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from sidecar._src.ckptfmt import spec as spec_lib
-from sidecar._src.ckptfmt.phases import Begin, Stage
+from sidecar._src.ckptfmt.save_values import Abort, Begin, Prepared, Stage
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
 from sidecar._src.server.checkpoint import (
@@ -20,6 +20,7 @@ from sidecar._src.server.checkpoint import (
   step as step_lib,
   write as write_lib,
 )
+from sidecar._src.server.checkpoint.caller import Caller
 from tests.support.staged import staged
 
 pytestmark = pytest.mark.unit
@@ -51,11 +52,11 @@ def writer(tmp_path):
 def _begin(writer, directory: str, step: int, *, shards=(), last=False, owner="a", tenant=None):
   """A Stage that begins ``step`` (as a trainer's first part does), carrying ``shards``."""
   tmp = writer.tmp_of(directory, step)
-  begun, finish = writer.begin_staged(Begin(directory, step, "orbax"), f"{tmp}/default",
-                                      owner=owner)
-  return writer.stage(Stage(directory, step, f"{tmp}/default", f"{directory}/{step}/default",
-                            [LEAF], list(shards), last=last), owner=owner, finish_tmp=finish,
-                      tenant=tenant)
+  stage = Stage(directory, step, f"{tmp}/default", f"{directory}/{step}/default", [LEAF],
+                list(shards), last=last, begin=Begin(directory, step, "orbax"))
+  caller = Caller(owner=owner, tenant=tenant)
+  begun, finish = writer.begin_staged(stage, caller)
+  return writer.stage(stage, caller, finish_tmp=finish)
 
 
 def test_a_step_begun_with_nothing_staged_holds_no_thread_until_its_first_shard(writer,
@@ -67,9 +68,10 @@ def test_a_step_begun_with_nothing_staged_holds_no_thread_until_its_first_shard(
   tmp = writer.tmp_of(directory, 1)
   w = np.arange(4, dtype=np.float32)
   writer.stage(Stage(directory, 1, f"{tmp}/default", f"{directory}/1/default", [LEAF],
-                     [staged(("w",), 0, ((0, 4),), w)], last=True), owner="a")
+                     [staged(("w",), 0, ((0, 4),), w)], last=True), Caller(owner="a"))
   assert [t.name for t in writer.started] == ["sidecar-ckpt-1"]
-  assert [r.crc32c is not None for r in writer.prepared(f"{directory}/1/default", 30)] == [True]
+  assert [r.crc32c is not None for r in writer.prepared(Prepared(f"{directory}/1/default"),
+                                                        Caller(wait_s=30))] == [True]
 
 
 def test_a_begun_step_whose_part_never_comes_fails_as_its_writer_would_have(
@@ -84,7 +86,7 @@ def test_a_begun_step_whose_part_never_comes_fails_as_its_writer_would_have(
   writer.forget_ended()  # the reaper, once it is over
   assert own.phase is step_lib.Phase.FAILED and own.wait_written(0)
   with pytest.raises(errors.DeadlineExceededError, match="step 2: no part staged for 0 s"):
-    writer.prepared(f"{directory}/2/default", timeout=5)
+    writer.prepared(Prepared(f"{directory}/2/default"), Caller(wait_s=5))
   assert writer.started == []
 
 
@@ -93,7 +95,8 @@ def test_an_abort_of_a_begun_step_ends_it_at_once(writer, tmp_path):
   writer.open(directory)
   _begin(writer, directory, 3)
   (own,) = writer.tier.steps()
-  assert writer.abort(writer.tmp_of(directory, 3), f"{directory}/3/default", wait_s=5) == ""
+  assert writer.abort(Abort(writer.tmp_of(directory, 3), f"{directory}/3/default"),
+                      Caller(wait_s=5)) == ""
   assert own.wait_written(0) and isinstance(own.error, errors.ClosedError)
   assert writer.started == []
 
@@ -113,6 +116,7 @@ def test_the_steps_being_staged_are_bounded_per_tenant(writer, tmp_path, tenant)
   _begin(writer, directory, 100, tenant="alice" if tenant else None, owner="b")
   tmp = writer.tmp_of(directory, 0)
   writer.stage(Stage(directory, 0, f"{tmp}/default", f"{directory}/0/default", [LEAF],
-                     [staged(("w",), 0, ((0, 4),), np.zeros(4, np.float32))], last=True),
-               owner="a", tenant=tenant)
+                     [staged(("w",), 0, ((0, 4),),
+                             np.zeros(4, np.float32))], last=True), Caller(owner="a",
+                                                                           tenant=tenant))
   _begin(writer, directory, 101, tenant=tenant)
