@@ -146,22 +146,6 @@ KNOWN = {
                        "call in pieces); ckptfmt/dcp/parts.py is DcpPart's, a rank's part",
     ("record", "controller/elastic.py:record"): "Retry.record, Retry.note's deprecated "
                                                 "spelling (a public method), until 0.4.0",
-    # Issue 80's renames in the modules the save-tower branch rewrites, done once it merges.
-    ("phase", "ckptfmt/phases.py:phases"): "a save's values (its sequence), the module "
-                                           "save-tower renames save_values.py",
-    ("phase", "ckptfmt/records.py:AgreePhase"): "records.Standing's old spelling, until "
-                                                "save-tower merges (wire/checkpoint_wire.py)",
-    ("phase", "ckptfmt/records.py:phase"): "AgreeState.phase, a Standing: standing once "
-                                           "save-tower merges (checkpoint_wire.py builds it)",
-    ("phase", "server/checkpoint/step.py:Phase"): "step.State's old spelling, until "
-                                                  "save-tower merges (save.py, write.py)",
-    ("phase", "server/checkpoint/step.py:phase"): "Step.state's old spelling, until "
-                                                  "save-tower merges (save.py, write.py)",
-    ("phase", "server/metrics.py:phase"): "Recorder.background's old spelling, until "
-                                          "save-tower merges (write.py)",
-    ("phase", "wire/checkpoint_wire.py:_PHASES"): "the wire's numbers of a Standing, "
-                                                  "renamed once save-tower merges",
-    ("phase", "wire/checkpoint_wire.py:_PHASES_BACK"): "the same, read back",
 }
 
 
@@ -331,6 +315,17 @@ def test_a_retired_name_stays_retired():
   assert "controller/goodput.py" not in names.get("Recorder", set())
   assert names.get("LedgerClient") == {"controller/goodput.py"}
   assert not {m for m in names.get("record", set()) if "goodput" in m}
+
+  # Issue 80's: a phase is a trainer's time without steps alone (a sidecar's step has a
+  # state, a host a standing in the agreement, a host's write and replication are its
+  # background work, a save's calls its sequence of values).
+  assert names.get("Phase") == {"core/stall.py"}
+  assert "server/checkpoint/lifecycle.py" in names["State"]
+  assert names.get("Standing") == {"ckptfmt/records.py"}
+  assert not {"AgreePhase", "_PHASES", "_PHASES_BACK", "_phases"} & set(names)
+  assert names.get("phases") == {"core/accounting.py"}  # ckptfmt/phases.py: save_values.py
+  assert "server/metrics.py" in names["background"] and "server/metrics.py" not in names[
+      "phase"]
 
 
 def test_agreement_is_the_sidecars_commit_alone():

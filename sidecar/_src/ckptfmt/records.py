@@ -278,7 +278,7 @@ class CommitPlan:
 
 
 class Standing(enum.Enum):
-  """Where one host stands in the sidecars' agreement on a step (``AgreeState.phase``)."""
+  """Where one host stands in the sidecars' agreement on a step (``AgreeState.standing``)."""
   UNKNOWN = "unknown"  # it knows no such save (a sidecar restarted since)
   TAKEN_OVER = "taken over"  # its part is whole there, being written
   WRITTEN = "written"  # its part is written
@@ -291,9 +291,6 @@ class Standing(enum.Enum):
     return self in (Standing.COMMITTED, Standing.ABANDONED)
 
 
-AgreePhase = Standing  # the old spelling, until save-tower merges (wire/checkpoint_wire.py)
-
-
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class AgreeState:
   """One host's state in the sidecars' agreement on a save they took over: what a host
@@ -302,7 +299,7 @@ class AgreeState:
   Attributes:
     final_dir, save, step: the step and its save (``CommitPlan.save``).
     host: whose state this is.
-    phase: where that host stands.
+    standing: where that host stands.
     records: ``WRITTEN``: its shards as written (empty once the committer holds them).
     error: ``FAILED``, ``ABANDONED``: why.
     committed: ``COMMITTED``: the committed step's directory.
@@ -315,7 +312,7 @@ class AgreeState:
   save: str
   step: int
   host: int
-  phase: Standing
+  standing: Standing
   records: tuple[ShardRecord, ...] = ()
   error: BaseException | None = None
   committed: str = ""

@@ -88,9 +88,6 @@ class Recorder:
     """What a checkpoint's background ``work`` ("write", "replicate": a step's, on this
     host) took."""
 
-  def phase(self, work: str, seconds: float) -> None:  # until save-tower merges (write.py)
-    self.background(work, seconds)
-
   def ram_tier_evicted(self, reason: str, nbytes: int) -> None:
     """A durable step's RAM-tier copy of ``nbytes`` left host memory for ``reason``
     (EVICTIONS: "room", new work needed its arena room; "operator", dropped on request)."""

@@ -161,7 +161,7 @@ class Agreements:
         raise _with_text(e, f"host {self._host_id} could not take step {a.step} over (the "
                          f"sidecars commit it): its committer, host {plan.committer}, did "
                          f"not answer: {e}") from None
-      if answer.phase.decided or answer.phase is Standing.UNKNOWN:
+      if answer.standing.decided or answer.standing is Standing.UNKNOWN:
         with a.cond:
           a.decision = answer
         raise _refused(a)
@@ -275,7 +275,7 @@ class Agreements:
       except errors.SidecarError as e:  # busy, slow: asked again later
         log.info("step %d: host %d did not answer (%s); asked again", a.step, h, e)
         continue
-      if answer.phase is Standing.UNKNOWN:
+      if answer.standing is Standing.UNKNOWN:
         raise errors.HostLostError(
             f"host {h} no longer knows step {a.step} (its sidecar restarted)", host_id=h)
       self._heard(a, answer)
@@ -287,7 +287,7 @@ class Agreements:
         return
       old = a.states.get(state.host)
       records = state.records or (old.records if old is not None else ())
-      a.states[state.host] = HostState(state.phase, records, state.error)
+      a.states[state.host] = HostState(state.standing, records, state.error)
       a.cond.notify_all()
 
   def _decide(self, a: Agreement, standing: Standing, *, committed: str = "",
@@ -297,7 +297,7 @@ class Agreements:
       if a.decision is not None:
         return
       a.decision = AgreeState(final_dir=a.final_dir, save=a.plan.save, step=a.step,
-                              host=self._host_id, phase=standing, error=error,
+                              host=self._host_id, standing=standing, error=error,
                               committed=committed)
       a.decided_at = time.monotonic()
       own, a.own = a.own, None  # its arena blocks go with the RAM tier's copy
@@ -343,7 +343,7 @@ class Agreements:
                  a.plan.committer, e)
         self._closed.wait(POLL_S)
         continue
-      if answer.phase.decided or answer.phase is Standing.UNKNOWN:
+      if answer.standing.decided or answer.standing is Standing.UNKNOWN:
         self._end(a, answer)
         return
       sent_records = written and self._host_id in answer.written
@@ -353,7 +353,7 @@ class Agreements:
   def _end(self, a: Agreement, answer: AgreeState) -> None:
     """Ends this host's part as the committer decided (unknown there: abandoned)."""
     own = a.own
-    if answer.phase is Standing.COMMITTED and own is not None:
+    if answer.standing is Standing.COMMITTED and own is not None:
       if self._tier.find(own.final_dir) is own:  # still its part here
         self._tier.mark_committed(a.final_dir)
       self._decide(a, Standing.COMMITTED, committed=answer.committed)
@@ -375,7 +375,7 @@ class Agreements:
       a = self._saves.get((state.final_dir, state.save))
       plan = state.plan
       # Told of a save it has no part of yet: one begun here (no part comes of one not).
-      if (a is None and state.phase is Standing.TAKEN_OVER and plan is not None
+      if (a is None and state.standing is Standing.TAKEN_OVER and plan is not None
           and plan.committer == self._host_id and state.host in plan.hosts
           and self._writer.begun(state.directory, state.step, state.format) is not None):
         a = self._saves[(state.final_dir, plan.save)] = Agreement(
@@ -384,7 +384,7 @@ class Agreements:
         self._spawn(self._commit_when_agreed, a, name=f"sidecar-commit-{a.step}")
     if a is None:
       return AgreeState(final_dir=state.final_dir, save=state.save, step=state.step,
-                        host=self._host_id, phase=Standing.UNKNOWN)
+                        host=self._host_id, standing=Standing.UNKNOWN)
     if a.plan.committer != self._host_id:
       return self._state_of(a)
     if state.host not in a.plan.hosts or state.host == self._host_id:
@@ -397,7 +397,7 @@ class Agreements:
         return a.decision
       written = tuple(h for h, p in a.states.items() if p.standing is Standing.WRITTEN)
     return AgreeState(final_dir=a.final_dir, save=a.plan.save, step=a.step,
-                      host=self._host_id, phase=Standing.TAKEN_OVER, written=written)
+                      host=self._host_id, standing=Standing.TAKEN_OVER, written=written)
 
   def await_commit(self, tmp_dir: str, step: int, owner: str, timeout: float) -> str:
     """A trainer's ``Commit`` of a step taken over here (``taken_over``): waits for the
@@ -417,7 +417,7 @@ class Agreements:
             f"commit: step {step} is still being written or agreed on after {timeout:g} s")
       decision = a.decision
     assert decision is not None
-    if decision.phase is Standing.COMMITTED:
+    if decision.standing is Standing.COMMITTED:
       return decision.committed
     assert decision.error is not None
     raise decision.error
@@ -460,7 +460,7 @@ class Agreements:
       assert own is not None
       written = tuple(own.written_records)
     return AgreeState(final_dir=a.final_dir, save=a.plan.save, step=a.step,
-                      host=self._host_id, phase=standing, records=written, error=error,
+                      host=self._host_id, standing=standing, records=written, error=error,
                       plan=a.plan if announce else None, directory=a.directory,
                       format=a.format)
 
@@ -541,7 +541,7 @@ def _plan_of(own: step_lib.Step) -> CommitPlan:
 def _refused(a: Agreement) -> errors.SidecarError:
   """Why this host may not take ``a`` over: its committer's answer."""
   d = a.decision
-  if d is not None and d.phase is Standing.UNKNOWN:
+  if d is not None and d.standing is Standing.UNKNOWN:
     why = "knows no such save (never begun there, or its sidecar restarted since)"
   else:
     why = "abandoned this save before this host's part was whole" + (

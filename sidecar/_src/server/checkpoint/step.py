@@ -76,8 +76,6 @@ from sidecar._src.server.checkpoint.commit_gate import CommitGate
 from sidecar._src.server.checkpoint.copies import Replication, StepCopy
 from sidecar._src.server.checkpoint.lifecycle import VIEWS, Outcome, State, Takeover, View
 
-Phase = State  # the old spelling, until save-tower merges (save.py, write.py)
-
 
 class StateError(errors.SidecarError, RuntimeError):
   """A transition from a state a step does not leave that way: a bug of its caller."""
@@ -181,10 +179,6 @@ class Step(StepCopy):
 
   @property
   def state(self) -> State:
-    return self._state
-
-  @property
-  def phase(self) -> State:  # the old spelling, until save-tower merges (save.py, write.py)
     return self._state
 
   @property
