@@ -143,7 +143,7 @@ class FakeSidecars(CheckpointTransport):
     self.plans: dict[str, CommitPlan] = {}  # final dir -> the plan its last Stages carried
     self.finals: dict[str, str] = {}  # tmp dir -> final dir, as staged
 
-  def _phase(self, name: str, host: int, value=None) -> concurrent.futures.Future:
+  def _call(self, name: str, host: int, value=None) -> concurrent.futures.Future:
     self.calls.append((name, host))
     if host not in self.hosts:
       raise errors.HostLostError(f"host {host} is lost", host_id=host)
@@ -168,7 +168,7 @@ class FakeSidecars(CheckpointTransport):
 
   def open(self, host, directory, *, ram_steps, ram_budget, sweep, job="", holder=""):
     steps = self.steps.setdefault(directory, set(self.initial))
-    return self._phase("open", host, sorted(steps))
+    return self._call("open", host, sorted(steps))
 
   def send(self, host, value, *, timeout=None):
     """The transport's one call for a save's values: the method named for the value's
@@ -178,9 +178,9 @@ class FakeSidecars(CheckpointTransport):
   def begin(self, host, begin):
     directory, step, format = begin.directory, begin.step, begin.format
     if format == DCP:  # the checkpoint's own directory: its tmp one beside it
-      return self._phase("begin", host, f"{directory}.dcp-checkpoint-tmp")
+      return self._call("begin", host, f"{directory}.dcp-checkpoint-tmp")
     assert format == ORBAX, format
-    return self._phase("begin", host, f"{directory}/{step}.orbax-checkpoint-tmp")
+    return self._call("begin", host, f"{directory}/{step}.orbax-checkpoint-tmp")
 
   def stage(self, host, stage):
     tmp_dir, final_dir = stage.tmp_dir, stage.final_dir
@@ -208,7 +208,7 @@ class FakeSidecars(CheckpointTransport):
       assert r.host == host
       held[r.id] = np.array(s.data)
       records[r.id] = r
-    return self._phase("stage", host, sum(a.nbytes for a in held.values()))
+    return self._call("stage", host, sum(a.nbytes for a in held.values()))
 
   def prepared(self, host, prepared):
     self.calls.append(("prepared", host))
@@ -248,7 +248,7 @@ class FakeSidecars(CheckpointTransport):
                         lambda: self.agreed(host, wait.tmp_dir), final=self.finals.__getitem__)
 
   def _commit(self, host, tmp_dir, step, extra, contents, final=None):
-    future = self._phase("commit", host, tmp_dir)
+    future = self._call("commit", host, tmp_dir)
     if future.exception() is None:
       dcp = extra is not None
       try:
@@ -269,16 +269,16 @@ class FakeSidecars(CheckpointTransport):
 
   def committed(self, host, committed):
     self.told.append((host, committed.final_dir, committed.manifest_json))
-    return self._phase("committed", host, [])
+    return self._call("committed", host, [])
 
   def abort(self, host, abort):
     self.aborted.append((host, abort.tmp_dir))
     self.staged.pop((host, abort.final_dir), None)
     self.records.pop((host, abort.final_dir), None)
-    return self._phase("abort", host, "")  # aborted ("": no commit of it here)
+    return self._call("abort", host, "")  # aborted ("": no commit of it here)
 
   def delete(self, host, directory, step, *, set_aside=False):
-    future = self._phase("delete", host)
+    future = self._call("delete", host)
     if future.exception() is None:
       there = step in self.steps[directory]
       self.steps[directory].discard(step)
@@ -289,22 +289,22 @@ class FakeSidecars(CheckpointTransport):
     return future
 
   def forget(self, host, directory, step):
-    return self._phase("forget", host)
+    return self._call("forget", host)
 
   def replicate(self, host, final_dir, targets, *, bandwidth, timeout):
     assert all(type(t) is int for t in targets), targets  # host ids: never an address
-    return self._phase("replicate", host, Replicated(tuple(targets), 0, 0, 0.0))
+    return self._call("replicate", host, Replicated(tuple(targets), 0, 0, 0.0))
 
   def held(self, host, directory, *, timeout=None):
     own = {item: list(shards) for (h, item), shards in self.staged.items()
            if h == host and item in self.manifests}
-    return self._phase("held", host, Held(own=own, replicas={}))
+    return self._call("held", host, Held(own=own, replicas={}))
 
   def info(self, host, final_dir, *, taken_over=False):
     manifest = self._taken_over(host, final_dir) if taken_over else self.manifests.get(final_dir)
     if manifest is None:
       return _done(error=errors.InvalidArgumentError(f"cannot restore {final_dir}"))
-    return self._phase("info", host, manifest)
+    return self._call("info", host, manifest)
 
   def _taken_over(self, host, final_dir) -> Manifest | None:
     """``host``'s part of a step staged with a plan (taken over), as a sidecar's Info
@@ -322,7 +322,7 @@ class FakeSidecars(CheckpointTransport):
     data = self.staged.get((host, final_dir), {}).get(record.id)
     if data is None:
       return _done(error=errors.InvalidArgumentError(f"host {host} holds no copy of {record.id}"))
-    return self._phase("read", host, data)
+    return self._call("read", host, data)
 
 
 def checkpointer(fake: CheckpointTransport, *, hosts=None, local=None, peers: Peers | None = None,

@@ -1,15 +1,18 @@
 """ARCHITECTURE.md's "Words with one meaning" is what the code's names keep: every name
 defined in sidecar/_src (a module, class, function, parameter, module or class constant,
 an attribute set on ``self``) that holds one of its words (host, peer, pool, part, lot,
-record, replica, agreement) as a word of its own carries that word's one meaning: it is named in the
-word's entry, or it is one of the names below that were read and carry it (:data:`SAME`),
-so a new name fails here until it is read (or renamed). The names that still carry another
-meaning are listed in :data:`KNOWN`, each with its reason; that list may only shrink.
+record, replica, agreement, phase) as a word of its own carries that word's one meaning:
+it is named in the word's entry, or it is one of the names below that were read and carry
+it (:data:`SAME`), so a new name fails here until it is read (or renamed). The names that
+still carry another meaning are listed in :data:`KNOWN`, each with its reason; that list
+may only shrink.
 
 A name read in every module that defines it is written bare (``hosts``); one that carries
 the word's meaning in some modules and not in others (``record``: a shard's record in
 ``controller/framework.py``, a RAM-tier step in ``server/checkpoint/ram_tier.py``) is read
-module by module, ``"module:name"``, so the same name in a new module fails until read."""
+module by module, ``"module:name"``, so the same name in a new module fails until read.
+A word of :data:`BY_MODULE` is read module by module only: its entry naming ``ctl.phase``
+says nothing of a ``phase`` in a checkpoint module."""
 
 import ast
 import functools
@@ -23,7 +26,10 @@ pytestmark = pytest.mark.unit
 
 SRC = ROOT / "sidecar" / "_src"
 TEXT = (ROOT / "ARCHITECTURE.md").read_text()
-WORDS = ("host", "peer", "pool", "part", "lot", "record", "replica", "agreement")
+WORDS = ("host", "peer", "pool", "part", "lot", "record", "replica", "agreement", "phase")
+# Words whose names are read only module by module (SAME's "module:name"), never by the
+# entry: the meaning lives in a few modules, and the same name elsewhere is another.
+BY_MODULE = frozenset({"phase"})
 # Read, and carrying the word's one meaning (beside those its entry names), by word.
 SAME = {
     # a machine of the job: its index, how many, which ones, what one of them runs or holds,
@@ -101,6 +107,18 @@ SAME = {
     # them, how many per shard, how they travel and whose RAM-tier group they count in
     # the sidecars' commit of a step taken over: its module (server/checkpoint/agreement.py)
     "agreement": frozenset({"agreement"}),
+    # a named stretch of a trainer's time without steps, declared by it or its startup:
+    # where it is declared, told, watched and counted
+    "phase": frozenset({
+        "arena/worker.py:phase",  # Worker.phase
+        "controller/controller.py:phase",  # Controller.phase: ctl.phase
+        "controller/startup.py:phase",  # Startup.phase, behind it
+        "controller/elastic.py:phase",  # sidecar.elastic.phase: an attempt's, as its event
+        "core/stall.py:Phase",  # the frame a trainer tells its sidecar
+        "server/goodput/steps.py:phase",  # Steps.phase (the frame), a trainer's phase
+        "server/goodput/steps.py:phase_s", "server/goodput/steps.py:phase_since",
+        "server/goodput/steps.py:phase_began",  # its length (Status), its ledger span
+        "core/accounting.py:phases"}),  # the ledger's phase time by name
     "replica": frozenset({
         "REPLICA_HOSTS_FILE", "REPLICA_KEY", "REPLICA_SHM", "REPLICA_TOKEN_DIR",
         "_REPLICA_LINK_RPCS",
@@ -205,7 +223,7 @@ def test_the_words_of_a_name_are_its_own():
 def _read(word: str, name: str, module: str, entries: dict[str, str]) -> bool:
   """Whether ``name``, defined in ``module``, is known to carry ``word``'s meaning (or
   listed with the other it carries)."""
-  return (_named_in(entries[word], name)
+  return ((word not in BY_MODULE and _named_in(entries[word], name))
           or bool({name, f"{module}:{name}"} & SAME[word])
           or bool({(word, name), (word, f"{module}:{name}")} & set(KNOWN)))
 
@@ -232,6 +250,22 @@ def test_a_new_name_of_another_meaning_fails():
       "server/checkpoint/links.py: replica_peer uses 'replica'",
       "server/checkpoint/replication.py: peers uses 'peer'",
       "server/goodput/ledgers.py: record uses 'record'",
+  ]
+
+
+def test_a_phase_is_a_trainers_time_alone():
+  # Issue 80: where a sidecar's step is, where a host is in the agreement, a host's
+  # background work and a save's sequence were phases too. Such a name back in a
+  # checkpoint module fails, though the entry names ``ctl.phase``: "phase" is read module
+  # by module, and only the trainer's modules carry it.
+  assert _unexplained({"step_phase": {"server/checkpoint/step.py"},
+                       "Phase": {"server/checkpoint/lifecycle.py", "core/stall.py"},
+                       "phase": {"server/checkpoint/save.py", "controller/controller.py"},
+                       "save_phases": {"controller/checkpoint/save_run.py"}}) == [
+      "controller/checkpoint/save_run.py: save_phases uses 'phase'",
+      "server/checkpoint/lifecycle.py: Phase uses 'phase'",
+      "server/checkpoint/save.py: phase uses 'phase'",
+      "server/checkpoint/step.py: step_phase uses 'phase'",
   ]
 
 
@@ -281,6 +315,17 @@ def test_a_retired_name_stays_retired():
   assert "controller/goodput.py" not in names.get("Recorder", set())
   assert names.get("LedgerClient") == {"controller/goodput.py"}
   assert not {m for m in names.get("record", set()) if "goodput" in m}
+
+  # Issue 80's: a phase is a trainer's time without steps alone (a sidecar's step has a
+  # state, a host a standing in the agreement, a host's write and replication are its
+  # background work, a save's calls its sequence of values).
+  assert names.get("Phase") == {"core/stall.py"}
+  assert "server/checkpoint/lifecycle.py" in names["State"]
+  assert names.get("Standing") == {"ckptfmt/records.py"}
+  assert not {"AgreePhase", "_PHASES", "_PHASES_BACK", "_phases"} & set(names)
+  assert names.get("phases") == {"core/accounting.py"}  # ckptfmt/phases.py: save_values.py
+  assert "server/metrics.py" in names["background"] and "server/metrics.py" not in names[
+      "phase"]
 
 
 def test_agreement_is_the_sidecars_commit_alone():

@@ -4,7 +4,7 @@ No RPC in any module here, and no framework (Orbax, TensorStore, JAX, torch) imp
 when a module is: a format imports its libraries inside the functions that use them, so
 the registry, which imports every format, loads none (tests/unit/test_layers.py).
 
-A save goes through the same phases whatever its format (``server/checkpoint/save.py``
+A save goes through the same sequence whatever its format (``server/checkpoint/save.py``
 drives them): a tmp directory, each host's shards written as they are staged, a
 manifest, one commit. What differs between formats is a :class:`~.format.Format`, found
 by its one name in :mod:`.registry`: the name a trainer chooses

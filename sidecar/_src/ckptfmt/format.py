@@ -2,7 +2,7 @@
 
 A format is known everywhere by its one name (``Format.name``): a trainer chooses it
 (``CheckpointOptions(format=...)``), Begin carries it, a step's manifest records it and a
-restore finds it there. The sidecar's save phases (``server/checkpoint/save.py``), its reads
+restore finds it there. The sidecar's save calls (``server/checkpoint/save.py``), its reads
 (``server/checkpoint/read.py``) and the wire (``wire/checkpoint_wire.py``) know a format
 only by its name and its typed extras; everything else that differs between formats is
 a :class:`Format`:

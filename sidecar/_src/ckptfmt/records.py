@@ -277,8 +277,8 @@ class CommitPlan:
     return (self.save, self.committer, self.hosts) == (other.save, other.committer, other.hosts)
 
 
-class AgreePhase(enum.Enum):
-  """Where one host is in the sidecars' agreement on a step (``AgreeState.phase``)."""
+class Standing(enum.Enum):
+  """Where one host stands in the sidecars' agreement on a step (``AgreeState.standing``)."""
   UNKNOWN = "unknown"  # it knows no such save (a sidecar restarted since)
   TAKEN_OVER = "taken over"  # its part is whole there, being written
   WRITTEN = "written"  # its part is written
@@ -288,7 +288,7 @@ class AgreePhase(enum.Enum):
 
   @property
   def decided(self) -> bool:
-    return self in (AgreePhase.COMMITTED, AgreePhase.ABANDONED)
+    return self in (Standing.COMMITTED, Standing.ABANDONED)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -299,7 +299,7 @@ class AgreeState:
   Attributes:
     final_dir, save, step: the step and its save (``CommitPlan.save``).
     host: whose state this is.
-    phase: where that host is.
+    standing: where that host stands.
     records: ``WRITTEN``: its shards as written (empty once the committer holds them).
     error: ``FAILED``, ``ABANDONED``: why.
     committed: ``COMMITTED``: the committed step's directory.
@@ -312,7 +312,7 @@ class AgreeState:
   save: str
   step: int
   host: int
-  phase: AgreePhase
+  standing: Standing
   records: tuple[ShardRecord, ...] = ()
   error: BaseException | None = None
   committed: str = ""

@@ -155,7 +155,7 @@ class CallSlots(Slots):
             "calls in flight to return before starting more")
 
 
-# The Checkpoint service's rpcs (a save's phases, restore reads, peers' replica
+# The Checkpoint service's rpcs (a save's sequence, restore reads, peers' replica
 # streams) have threads of their own beside those of calls and streams: at most this many
 # at once, half of them one session's (a controller's, or another sidecar's replicas).
 CHECKPOINT_THREADS = 16

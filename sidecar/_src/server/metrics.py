@@ -9,7 +9,7 @@ Two kinds of figures:
 
 Every sidecar has a ``CollectorRegistry`` of its own (never the global one): several
 servers in one process do not clash. Label values are bounded: registered names only
-(anything else is ``<unregistered>``), status code names, a few fixed phases and tiers,
+(anything else is ``<unregistered>``), status code names, a few fixed kinds of work and tiers,
 and the pool file's tenant names. A tenant's own things (a goodput ledger's directory, an
 attached worker's or trainer's pid) are labelled by an opaque id (:func:`opaque_id`, keyed
 by a secret of the tenant's): ``/metrics`` answers without a token, and a path names a
@@ -55,7 +55,7 @@ REQUESTED = ("inline", "arena")  # what a tenant's requested bytes are of
 KINDS = ("call", "stream", "feed", "checkpoint")  # checkpoint: the Checkpoint service's RPCs
 EVICTIONS = ("room", "operator")  # why a durable RAM-tier copy left host memory
 FLAG = "--metrics-port"
-# 100 us .. 100 s: a call's round trip is ~1 ms, a checkpoint phase seconds.
+# 100 us .. 100 s: a call's round trip is ~1 ms, a step's write or replication seconds.
 LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5,
                    1.0, 2.5, 5.0, 10.0, 25.0, 100.0)
 
@@ -84,8 +84,9 @@ class Recorder:
   def restored_bytes(self, tier: str, nbytes: int) -> None:
     """``nbytes`` of shards read for a restore from ``tier`` ("ram", "replica", "storage")."""
 
-  def phase(self, phase: str, seconds: float) -> None:
-    """A checkpoint phase this host ran in the background ("write", "replicate") took."""
+  def background(self, work: str, seconds: float) -> None:
+    """What a checkpoint's background ``work`` ("write", "replicate": a step's, on this
+    host) took."""
 
   def ram_tier_evicted(self, reason: str, nbytes: int) -> None:
     """A durable step's RAM-tier copy of ``nbytes`` left host memory for ``reason``
@@ -224,7 +225,7 @@ class Metrics(Recorder):
     self._latency: dict[str, list] = {}
     self._bytes = dict.fromkeys(("staged", "written", "replicated"), 0)
     self._restored: dict[str, int] = {}
-    self._phases: dict[str, list] = {}
+    self._background: dict[str, list] = {}  # work -> histogram of its seconds
     self._evicted = {reason: [0, 0] for reason in EVICTIONS}  # reason -> [steps, bytes]
     self._tenant_requests: dict[tuple[str, str, str], int] = {}  # (tenant, kind, code)
     self._tenant_bytes: dict[tuple[str, str], int] = {}  # (tenant, what) -> bytes asked
@@ -255,9 +256,9 @@ class Metrics(Recorder):
     with self._lock:
       self._restored[tier] = self._restored.get(tier, 0) + nbytes
 
-  def phase(self, phase: str, seconds: float) -> None:
+  def background(self, work: str, seconds: float) -> None:
     with self._lock:
-      _observe(self._phases, phase, seconds)
+      _observe(self._background, work, seconds)
 
   def ram_tier_evicted(self, reason: str, nbytes: int) -> None:
     with self._lock:
@@ -300,7 +301,7 @@ class Metrics(Recorder):
       return {"in_flight": dict(self._in_flight), "calls": dict(self._calls),
               "latency": {k: [list(v[0]), v[1]] for k, v in self._latency.items()},
               "bytes": dict(self._bytes), "restored": dict(self._restored),
-              "phases": {k: [list(v[0]), v[1]] for k, v in self._phases.items()},
+              "background": {k: [list(v[0]), v[1]] for k, v in self._background.items()},
               "evicted": {k: list(v) for k, v in self._evicted.items()},
               "tenant_requests": dict(self._tenant_requests),
               "tenant_bytes": dict(self._tenant_bytes),
@@ -378,8 +379,8 @@ class _Collector(Collector):
       calls.add_metric(list(labels), n)
     yield calls
     yield _histogram("sidecar_call_seconds", "Time in a call on the sidecar (unary calls; "
-                     "sidecar.ckpt.<phase> are the Checkpoint service's RPCs, the phases the "
-                     "controller drives)", "name",
+                     "sidecar.ckpt.<rpc> are the Checkpoint service's RPCs, a save's and a "
+                     "restore's calls the controller makes)", "name",
                      p["latency"])
     in_flight = GaugeMetricFamily("sidecar_calls_in_flight", "Calls, streams and feeds "
                                   "running now", labels=["kind"])
@@ -397,8 +398,9 @@ class _Collector(Collector):
     for tier, n in sorted(p["restored"].items()):
       restored.add_metric([tier], n)
     yield restored
-    yield _histogram("sidecar_checkpoint_phase_seconds", "Background checkpoint phases of "
-                     "this host, per step", "phase", p["phases"])
+    yield _histogram("sidecar_checkpoint_background_seconds", "A checkpoint's background "
+                     "work on this host (a step's write, its replication), per step", "work",
+                     p["background"])
     evictions = CounterMetricFamily("sidecar_ram_tier_evictions", "Durable steps whose "
                                     "RAM-tier copy left host memory before its budget said: "
                                     "room (new work needed the arena), operator (dropped)",

@@ -29,7 +29,6 @@ import numpy as np
 from sidecar._src.ckptfmt import names
 from sidecar._src.ckptfmt.dcp import DcpCommit, DcpPart
 from sidecar._src.ckptfmt.records import (
-  AgreePhase,
   AgreeState,
   CommitPlan,
   Held,
@@ -41,6 +40,7 @@ from sidecar._src.ckptfmt.records import (
   ShardId,
   ShardRecord,
   Staged,
+  Standing,
 )
 from sidecar._src.ckptfmt.spec import Index, KeyPath, LeafKind, LeafSpec
 from sidecar._src.ckptfmt.tiers import Tier
@@ -282,15 +282,16 @@ def plan_from_pb(plan: ckpt_pb.CommitPlan, where: str) -> CommitPlan:
     raise errors.InvalidArgumentError(f"{where}: {e}") from None
 
 
-_PHASES = {phase: getattr(ckpt_pb, f"AGREE_{phase.name}") for phase in AgreePhase}
-_PHASES_BACK = {number: phase for phase, number in _PHASES.items()}
+# A host's standing is the proto's AgreePhase (its field ``phase``): the wire keeps its names.
+_STANDINGS = {s: getattr(ckpt_pb, f"AGREE_{s.name}") for s in Standing}
+_STANDINGS_BACK = {number: s for s, number in _STANDINGS.items()}
 
 
 def agree_to_pb(a: AgreeState) -> ckpt_pb.AgreeState:
   out = ckpt_pb.AgreeState(final_dir=a.final_dir, save=a.save, step=a.step, host=a.host,
-                           phase=_PHASES[a.phase], records=[record_to_pb(r) for r in a.records],
-                           committed=a.committed, written=a.written, directory=a.directory,
-                           format=a.format)
+                           phase=_STANDINGS[a.standing],
+                           records=[record_to_pb(r) for r in a.records], committed=a.committed,
+                           written=a.written, directory=a.directory, format=a.format)
   if a.error is not None:
     out.error.CopyFrom(protocol.error_info(a.error))
   if a.plan is not None:
@@ -300,13 +301,13 @@ def agree_to_pb(a: AgreeState) -> ckpt_pb.AgreeState:
 
 def agree_from_pb(a: ckpt_pb.AgreeState, where: str, *, sender: str) -> AgreeState:
   """An AgreeState from another sidecar (``sender``, for its error's text)."""
-  phase = _PHASES_BACK.get(a.phase)
-  if phase is None or a.step < 0:
+  standing = _STANDINGS_BACK.get(a.phase)
+  if standing is None or a.step < 0:
     raise errors.InvalidArgumentError(
-        f"{where}: phase {a.phase} and step {a.step}: a phase of AgreePhase and a step >= 0 "
-        "are expected")
+        f"{where}: phase {a.phase} and step {a.step}: one of AgreePhase's values and a step "
+        ">= 0 are expected")
   return AgreeState(
-      final_dir=a.final_dir, save=a.save, step=a.step, host=a.host, phase=phase,
+      final_dir=a.final_dir, save=a.save, step=a.step, host=a.host, standing=standing,
       records=tuple(record_from_pb(r, f"{where}.records[{i}]") for i, r in enumerate(a.records)),
       error=(protocol.error_from_info(a.error, host=sender, host_id=a.host)
              if a.HasField("error") else None),

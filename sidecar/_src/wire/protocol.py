@@ -62,7 +62,7 @@ PROTOCOL_VERSION = 17  # 2: the Checkpoint service; 3: an error is one pb.Error 
 # steps (StatusResponse.arena_kept); Status's trainers carry their phase, its length, their
 # last step's time and their process's CPU time (the watchdog tells busy from hung by it)
 SERVICE = "sidecar.v1.Sidecar"
-CHECKPOINT_SERVICE = "sidecar.v1.Checkpoint"  # internal: the checkpoint phases, no user calls
+CHECKPOINT_SERVICE = "sidecar.v1.Checkpoint"  # internal: the checkpoint rpcs, no user calls
 SESSION_KEY = "sidecar-session"
 MAX_PREFETCH = 1024  # items a stream may run ahead; more would only fill the arena
 AUTH_KEY = "authorization"

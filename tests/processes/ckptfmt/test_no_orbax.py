@@ -1,7 +1,7 @@
 """A sidecar's DCP save and read with no JAX, Grain, Orbax, TensorStore nor torch importable
 (issue 36, item 2: a PyTorch-only sidecar serves DCP checkpoints).
 
-The save runs the sidecar's own phases (``server/checkpoint/save.StepWriter``: begin,
+The save runs the sidecar's own calls (``server/checkpoint/save.StepWriter``: begin,
 stage, prepared, commit) and its read from storage (``read.Reader``) on real files, in a
 child process whose import system refuses those packages, as where they are not installed.
 """

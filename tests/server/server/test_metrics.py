@@ -119,7 +119,7 @@ def test_the_grafana_dashboard_queries_only_metrics_the_sidecar_exports():
                                      feed_workers=0)
   m = metrics_lib.Metrics(lambda: snapshot(tenants=(tenant,)))
   m.call_done("call", "echo", "OK", 0.001)
-  m.phase("write", 1.0)
+  m.background("write", 1.0)
   m.restored_bytes("ram", 1)
   m.tenant_request("alice", "call", "OK")
   m.tenant_requested("alice", "inline", 1)

@@ -396,7 +396,7 @@ def test_a_step_is_a_non_negative_int64(ckpt_server, step):
     assert "directory must be a directory path" in e.details()
 
 
-def test_checkpoint_phases_are_not_calls_and_are_not_listed(ckpt_server):
+def test_checkpoint_rpcs_are_not_calls_and_are_not_listed(ckpt_server):
   root, _, raw = ckpt_server
   (root / "8" / "default").mkdir(parents=True)
   (root / "8" / "default" / "sidecar_manifest.json").write_text("{}")

@@ -1,7 +1,7 @@
 """DCP's layout (``torch.distributed.checkpoint``) as a
 :class:`~sidecar._src.ckptfmt.format.Format`.
 
-A DCP step goes through the same phases as an Orbax one; what differs is here. Each
+A DCP step goes through the same sequence as an Orbax one; what differs is here. Each
 trainer rank beside a sidecar stages its own part (:class:`~.parts.DcpPart`: its rank and
 item count; each item is its shard's record, ``distcp.Item.of_record``), and each rank's
 file is written by its own thread (:func:`write_ranks`, ``distcp.write_rank_part``) as the

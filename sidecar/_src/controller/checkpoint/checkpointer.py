@@ -14,7 +14,7 @@ futures do). A restore takes each shard from wherever a live copy is: the arena 
 host that staged it, a replica on another sidecar, storage last, each crc32c checked.
 
 What differs between frameworks is in two plugs (``plugs.py``): the driver (who drives
-the phases and how the processes coordinate: JAX's key-value store, DCP's coordinator rank)
+a save's sequence and how the processes coordinate: JAX's key-value store, DCP's coordinator rank)
 and the framework (how leaves are described, copied and rebuilt).
 """
 
@@ -89,7 +89,7 @@ class Checkpointer:
     # Absolute here: the sidecars' working directory is not the trainer's.
     self.directory = os.path.abspath(os.fspath(directory))
     self.site = site
-    self._client = site.client  # the sidecars, one typed method per phase
+    self._client = site.client  # the checkpoint calls on the sidecars
     self._local = list(site.local)  # the hosts this process stages into
     self._peers, self._key = peers, key
     self._lead = peers.index == 0  # begins, commits, sweeps and deletes, once

@@ -2,7 +2,7 @@
 values, one typed method for each other request.
 
 :class:`CheckpointTransport` is what a
-:class:`~sidecar._src.controller.checkpoint.checkpointer.Checkpointer` talks to: each phase
+:class:`~sidecar._src.controller.checkpoint.checkpointer.Checkpointer` talks to: each call
 on one host, returning a ``concurrent.futures.Future`` of plain
 values (``ckptfmt.records``' frozen types: a shard's ``ShardRecord``, a ``Manifest``). Two
 implement it: :class:`CheckpointClient`, over each host's gRPC channel (made by the
@@ -214,7 +214,7 @@ class _Retries:
 
 
 class CheckpointTransport(abc.ABC):
-  """The checkpoint phases on one host each; see the service in ``checkpoint.proto``."""
+  """The checkpoint calls on one host each; see the service in ``checkpoint.proto``."""
 
   def close(self) -> None:  # noqa: B027 - a transport with nothing to stop needs none
     """Stops what the transport runs in the background; idempotent."""

@@ -7,7 +7,7 @@ and its coordinator rank alone begins, waits for every host and commits). A step
 beginning process began it is a :class:`Begun`, the same in every process. Before a step,
 the processes check they save the same step and share whether a save is in flight
 (:func:`same_step_any_busy`, which the Checkpointer calls). The save step itself, which
-calls them between its phases, is ``save_run.SaveRun``.
+calls them between its values, is ``save_run.SaveRun``.
 """
 
 from __future__ import annotations

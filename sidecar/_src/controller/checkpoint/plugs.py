@@ -92,7 +92,7 @@ class Setup:
 
 
 class Driver(abc.ABC):
-  """Who drives a step's phases on the sidecars, how the trainer processes coordinate
+  """Who drives a save's sequence on the sidecars, how the trainer processes coordinate
   them, and how a step is restored (see the module). Not the sidecars' agreement on a
   commit (``server/checkpoint/agreement.py``): a driver's processes only exchange keys."""
 

@@ -22,9 +22,9 @@ from its finisher thread, DCP's ``torch/storage.StorageWriter`` from its hooks
 The :class:`SaveHandle` a save returns is the step's: the run resolves its ``staged``,
 ``durable`` and ``replicated``; a Checkpointer's save ends as its :class:`Ending` says.
 
-How the trainer processes coordinate the phases (who begins, who commits) is a
+How the trainer processes coordinate the sequence (who begins, who commits) is a
 ``coordination.Coordination``: through their key-value store, or as DCP does it. The
-phases' calls on the sidecars, and the step's ``save_protocol.Target``, are
+sequence's calls on the sidecars, and the step's ``save_protocol.Target``, are
 ``save_protocol``'s.
 """
 
@@ -138,7 +138,7 @@ class SaveRun:
   """One save step on the sidecars, from begin to its end (see the module).
 
   Args:
-    protocol: the phases' calls, in the step's format.
+    protocol: the sequence's calls, in the step's format.
     target: where the step goes (begun by :meth:`begin`, or given begun: :meth:`begun`).
     hosts: every host the step is on (a commit counts them; an abort reaches them).
     local: the hosts this process stages into and waits for (prepared), replicates and

@@ -29,7 +29,7 @@ class SidecarsSnapshot:
   """The sidecars of a controller, as they are when a checkpointer is made.
 
   Attributes:
-    client: the checkpoint phases on them.
+    client: the checkpoint calls on them.
     hosts: every live host; ``local``: those this process drives (stages into).
     device_hosts: the host of each device id (under PyTorch a rank's device is its rank).
     handshakes: what each live sidecar told at its handshake: its address, worker socket,
@@ -89,7 +89,7 @@ class Snapshots:
     self._replica_warnings: set[tuple[int, int]] = set()  # (replicas asked, hosts) warned of
 
   def client(self, timeout: float) -> CheckpointClient:
-    """The checkpoint phases on the sidecars, ``timeout`` seconds each by default."""
+    """The checkpoint calls on the sidecars, ``timeout`` seconds each by default."""
     return CheckpointClient(select=self._sidecars.select,
                             connection=self._sidecars.conns.__getitem__,
                             worker=self._sidecars.workers.get, status=self._status,

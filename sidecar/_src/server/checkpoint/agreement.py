@@ -43,11 +43,11 @@ from collections.abc import Callable
 import grpc
 
 from sidecar._src.ckptfmt.records import (
-  AgreePhase,
   AgreeState,
   CommitPlan,
   ReplicaTarget,
   ShardRecord,
+  Standing,
 )
 from sidecar._src.core import errors
 from sidecar._src.server.checkpoint import (
@@ -73,7 +73,7 @@ KEEP_S = 600.0  # how long a decided save is kept, for a host or a trainer that 
 @dataclasses.dataclass
 class HostState:
   """Another host's part of a save, as its committer knows it."""
-  phase: AgreePhase
+  standing: Standing
   records: tuple[ShardRecord, ...] = ()
   error: BaseException | None = None
   heard: float = dataclasses.field(default_factory=time.monotonic)
@@ -111,7 +111,7 @@ class Agreements:
   Args:
     host_id: this sidecar's host.
     tier: its RAM tier (the parts, marked committed at the end).
-    writer: its save phases (the commit, whether the trainers that began a save live).
+    writer: its step writer (the commit, whether the trainers that began a save live).
     links: its links to the other sidecars for the agreements (:class:`AgreeLinks`);
       ``hosts``: where they are.
     spawn: starts a thread the owner joins.
@@ -161,7 +161,7 @@ class Agreements:
         raise _with_text(e, f"host {self._host_id} could not take step {a.step} over (the "
                          f"sidecars commit it): its committer, host {plan.committer}, did "
                          f"not answer: {e}") from None
-      if answer.phase.decided or answer.phase is AgreePhase.UNKNOWN:
+      if answer.standing.decided or answer.standing is Standing.UNKNOWN:
         with a.cond:
           a.decision = answer
         raise _refused(a)
@@ -204,12 +204,12 @@ class Agreements:
       faults.fault("prepared", a.step)
       assert a.own is not None
       committed = self._writer.commit_agreed(a.own, shards, plan=a.plan)
-      self._decide(a, AgreePhase.COMMITTED, committed=committed)
+      self._decide(a, Standing.COMMITTED, committed=committed)
       log.info("step %d: committed by the sidecars' agreement (%d hosts)", a.step,
                len(a.plan.hosts), extra={"step": a.step})
     except BaseException as e:
       e = e.with_traceback(None)
-      self._decide(a, AgreePhase.ABANDONED, error=e)
+      self._decide(a, Standing.ABANDONED, error=e)
       level = logging.INFO if a.aborted is not None else logging.WARNING
       log.log(level, "step %d: abandoned by its committer, never listed: %s", a.step, e,
               extra={"step": a.step})
@@ -221,26 +221,26 @@ class Agreements:
       with a.cond:
         if a.aborted is not None:
           raise a.aborted
-        failed = next((p.error for p in a.states.values() if p.phase is AgreePhase.FAILED), None)
+        failed = next((p.error for p in a.states.values() if p.standing is Standing.FAILED), None)
         if failed is not None:
           raise failed
         own = a.own
-        part = own.view().agree if own is not None else AgreePhase.UNKNOWN
-        if own is not None and part in (AgreePhase.WRITTEN, AgreePhase.FAILED):
-          if part is AgreePhase.FAILED:
+        part = own.view().agree if own is not None else Standing.UNKNOWN
+        if own is not None and part in (Standing.WRITTEN, Standing.FAILED):
+          if part is Standing.FAILED:
             assert own.error is not None
             raise write_lib.write_failure(self._host_id, a.step, a.final_dir, own.error,
                                           tmp_dir=own.tmp_dir)
-          written = {h for h, p in a.states.items() if p.phase is AgreePhase.WRITTEN}
+          written = {h for h, p in a.states.items() if p.standing is Standing.WRITTEN}
           if written | {self._host_id} >= set(a.plan.hosts):
             return [*own.written_records, *(r for p in a.states.values() for r in p.records)]
         missing = [h for h in a.plan.hosts if h not in a.states and h != self._host_id]
         missing += [self._host_id] if own is None else []
         now = time.monotonic()
         silent = [h for h, p in a.states.items()
-                  if p.phase is AgreePhase.TAKEN_OVER and now - p.heard > SILENT_S]
+                  if p.standing is Standing.TAKEN_OVER and now - p.heard > SILENT_S]
       self._look_around(a, missing, silent)
-      if own is not None and part is AgreePhase.TAKEN_OVER:
+      if own is not None and part is Standing.TAKEN_OVER:
         own.wait_written(POLL_S)
       else:
         with a.cond:
@@ -251,7 +251,7 @@ class Agreements:
     stopping sidecar lets a write whose part is whole here finish (``Checkpoints.close``
     joins it): till it ends, the committer waits for it, then commits what is written."""
     own = a.own
-    if self._closed.is_set() and (own is None or own.phase is not step_lib.Phase.STAGED):
+    if self._closed.is_set() and (own is None or own.state is not step_lib.State.STAGED):
       raise errors.ClosedError(f"the sidecar of host {self._host_id} is stopping")
     begun = self._writer.begun(a.directory, a.step, a.format) if own is None else None
     alive = (own.trainers_alive() if own is not None
@@ -275,7 +275,7 @@ class Agreements:
       except errors.SidecarError as e:  # busy, slow: asked again later
         log.info("step %d: host %d did not answer (%s); asked again", a.step, h, e)
         continue
-      if answer.phase is AgreePhase.UNKNOWN:
+      if answer.standing is Standing.UNKNOWN:
         raise errors.HostLostError(
             f"host {h} no longer knows step {a.step} (its sidecar restarted)", host_id=h)
       self._heard(a, answer)
@@ -287,22 +287,22 @@ class Agreements:
         return
       old = a.states.get(state.host)
       records = state.records or (old.records if old is not None else ())
-      a.states[state.host] = HostState(state.phase, records, state.error)
+      a.states[state.host] = HostState(state.standing, records, state.error)
       a.cond.notify_all()
 
-  def _decide(self, a: Agreement, phase: AgreePhase, *, committed: str = "",
+  def _decide(self, a: Agreement, standing: Standing, *, committed: str = "",
               error: BaseException | None = None) -> None:
     """The end of the save here: told to whoever asks, waits or follows."""
     with a.cond:
       if a.decision is not None:
         return
       a.decision = AgreeState(final_dir=a.final_dir, save=a.plan.save, step=a.step,
-                              host=self._host_id, phase=phase, error=error,
+                              host=self._host_id, standing=standing, error=error,
                               committed=committed)
       a.decided_at = time.monotonic()
       own, a.own = a.own, None  # its arena blocks go with the RAM tier's copy
       a.cond.notify_all()
-    if own is not None and phase is AgreePhase.ABANDONED and own.trainers_alive() is False:
+    if own is not None and standing is Standing.ABANDONED and own.trainers_alive() is False:
       self._tier.remove(own)  # nobody will abort it: its blocks go back now
     a.ended.set()  # its part's takeover ends (step.Takeover.ENDED)
 
@@ -316,16 +316,16 @@ class Agreements:
     assert own is not None and own.takeover is not step_lib.Takeover.NONE
     sent_records = False  # the committer holds this part's written records
     while True:
-      if own.view().agree is AgreePhase.TAKEN_OVER:
+      if own.view().agree is Standing.TAKEN_OVER:
         own.wait_written(POLL_S)
       elif sent_records:
         self._closed.wait(POLL_S)
       if own.takeover is not step_lib.Takeover.PENDING:  # committed here (Committed)
-        self._decide(a, AgreePhase.COMMITTED)
+        self._decide(a, Standing.COMMITTED)
         return
       if a.aborted is not None or self._closed.is_set():
         return
-      written = own.view().agree is not AgreePhase.TAKEN_OVER
+      written = own.view().agree is not Standing.TAKEN_OVER
       if written and not sent_records:
         faults.fault("prepared", a.step)
       try:
@@ -334,7 +334,7 @@ class Agreements:
         gone = errors.HostLostError(
             f"step {a.step}: its committer, host {a.plan.committer}, is gone: {e}",
             host_id=a.plan.committer)
-        self._decide(a, AgreePhase.ABANDONED, error=gone)
+        self._decide(a, Standing.ABANDONED, error=gone)
         log.warning("step %d: abandoned here, never listed by this host: %s", a.step, gone,
                     extra={"step": a.step})
         return
@@ -343,7 +343,7 @@ class Agreements:
                  a.plan.committer, e)
         self._closed.wait(POLL_S)
         continue
-      if answer.phase.decided or answer.phase is AgreePhase.UNKNOWN:
+      if answer.standing.decided or answer.standing is Standing.UNKNOWN:
         self._end(a, answer)
         return
       sent_records = written and self._host_id in answer.written
@@ -353,14 +353,14 @@ class Agreements:
   def _end(self, a: Agreement, answer: AgreeState) -> None:
     """Ends this host's part as the committer decided (unknown there: abandoned)."""
     own = a.own
-    if answer.phase is AgreePhase.COMMITTED and own is not None:
+    if answer.standing is Standing.COMMITTED and own is not None:
       if self._tier.find(own.final_dir) is own:  # still its part here
         self._tier.mark_committed(a.final_dir)
-      self._decide(a, AgreePhase.COMMITTED, committed=answer.committed)
+      self._decide(a, Standing.COMMITTED, committed=answer.committed)
       return
     error = answer.error or errors.HostLostError(
         f"its committer, host {a.plan.committer}, no longer knows the save (restarted)")
-    self._decide(a, AgreePhase.ABANDONED, error=error)
+    self._decide(a, Standing.ABANDONED, error=error)
     log.warning("step %d: abandoned by the sidecars, never listed: %s", a.step, error,
                 extra={"step": a.step})
 
@@ -375,7 +375,7 @@ class Agreements:
       a = self._saves.get((state.final_dir, state.save))
       plan = state.plan
       # Told of a save it has no part of yet: one begun here (no part comes of one not).
-      if (a is None and state.phase is AgreePhase.TAKEN_OVER and plan is not None
+      if (a is None and state.standing is Standing.TAKEN_OVER and plan is not None
           and plan.committer == self._host_id and state.host in plan.hosts
           and self._writer.begun(state.directory, state.step, state.format) is not None):
         a = self._saves[(state.final_dir, plan.save)] = Agreement(
@@ -384,7 +384,7 @@ class Agreements:
         self._spawn(self._commit_when_agreed, a, name=f"sidecar-commit-{a.step}")
     if a is None:
       return AgreeState(final_dir=state.final_dir, save=state.save, step=state.step,
-                        host=self._host_id, phase=AgreePhase.UNKNOWN)
+                        host=self._host_id, standing=Standing.UNKNOWN)
     if a.plan.committer != self._host_id:
       return self._state_of(a)
     if state.host not in a.plan.hosts or state.host == self._host_id:
@@ -395,9 +395,9 @@ class Agreements:
     with a.cond:
       if a.decision is not None:
         return a.decision
-      written = tuple(h for h, p in a.states.items() if p.phase is AgreePhase.WRITTEN)
+      written = tuple(h for h, p in a.states.items() if p.standing is Standing.WRITTEN)
     return AgreeState(final_dir=a.final_dir, save=a.plan.save, step=a.step,
-                      host=self._host_id, phase=AgreePhase.TAKEN_OVER, written=written)
+                      host=self._host_id, standing=Standing.TAKEN_OVER, written=written)
 
   def await_commit(self, tmp_dir: str, step: int, owner: str, timeout: float) -> str:
     """A trainer's ``Commit`` of a step taken over here (``taken_over``): waits for the
@@ -417,7 +417,7 @@ class Agreements:
             f"commit: step {step} is still being written or agreed on after {timeout:g} s")
       decision = a.decision
     assert decision is not None
-    if decision.phase is AgreePhase.COMMITTED:
+    if decision.standing is Standing.COMMITTED:
       return decision.committed
     assert decision.error is not None
     raise decision.error
@@ -433,7 +433,7 @@ class Agreements:
         a.aborted = errors.ClosedError(f"its trainers aborted the save of step {a.step}")
         a.cond.notify_all()
       if a.plan.committer != self._host_id:
-        self._decide(a, AgreePhase.ABANDONED, error=a.aborted)
+        self._decide(a, Standing.ABANDONED, error=a.aborted)
 
   def forget_decided(self) -> None:
     """Forgets the saves decided long ago (the reaper's)."""
@@ -451,16 +451,16 @@ class Agreements:
       own = a.own
     error = None
     written: tuple[ShardRecord, ...] = ()
-    phase = own.view().agree if own is not None else AgreePhase.UNKNOWN
-    if phase is AgreePhase.FAILED:
+    standing = own.view().agree if own is not None else Standing.UNKNOWN
+    if standing is Standing.FAILED:
       assert own is not None and own.error is not None
       error = write_lib.write_failure(self._host_id, a.step, a.final_dir, own.error,
                                       tmp_dir=own.tmp_dir)
-    elif phase is AgreePhase.WRITTEN and records:
+    elif standing is Standing.WRITTEN and records:
       assert own is not None
       written = tuple(own.written_records)
     return AgreeState(final_dir=a.final_dir, save=a.plan.save, step=a.step,
-                      host=self._host_id, phase=phase, records=written, error=error,
+                      host=self._host_id, standing=standing, records=written, error=error,
                       plan=a.plan if announce else None, directory=a.directory,
                       format=a.format)
 
@@ -541,7 +541,7 @@ def _plan_of(own: step_lib.Step) -> CommitPlan:
 def _refused(a: Agreement) -> errors.SidecarError:
   """Why this host may not take ``a`` over: its committer's answer."""
   d = a.decision
-  if d is not None and d.phase is AgreePhase.UNKNOWN:
+  if d is not None and d.standing is Standing.UNKNOWN:
     why = "knows no such save (never begun there, or its sidecar restarted since)"
   else:
     why = "abandoned this save before this host's part was whole" + (

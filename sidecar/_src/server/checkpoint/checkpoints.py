@@ -1,8 +1,8 @@
 """One sidecar's checkpointing: its parts, the threads they share, and who may act where.
 
-The controller drives a save in phases, each an rpc of the ``sidecar.v1.Checkpoint``
-service (``service.py`` checks the typed requests and calls the part that does the work;
-none of them is reachable through ``Call``):
+The controller drives a save as one sequence of calls, each an rpc of the
+``sidecar.v1.Checkpoint`` service (``service.py`` checks the typed requests and calls the
+part that does the work; none of them is reachable through ``Call``):
 
 1. ``begin`` (host 0): creates ``<step>.orbax-checkpoint-tmp`` (``writer``).
 2. ``stage`` (every host): takes the shards the worker copied into the arena. From
@@ -19,7 +19,7 @@ none of them is reachable through ``Call``):
 5. ``committed`` (every host): the RAM tier keeps the newest steps within its budget.
 
 The parts, built and owned here (``close`` joins their threads): ``writer``
-(``save.StepWriter``: the phases above, ``abort``, ``delete``), ``tier``
+(``save.StepWriter``: the calls above, ``abort``, ``delete``), ``tier``
 (``ram_tier.RamTier``: the steps (``step.Step``) and replicas, budgets, eviction, expiry
 of uncommitted steps, status), ``replicator`` (``replication.Replicator``: ``replicate``
 to the replica hosts, ``receive`` from them), ``agreements`` (``agreement.Agreements``:

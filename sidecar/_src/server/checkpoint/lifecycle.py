@@ -1,14 +1,14 @@
 """A step's lifecycle table: where a ``step.Step`` is, and how each reader outside sees it.
 
-A step's state is three values, each changed only by its transitions (``step.py``): its
-:class:`Phase`, its :class:`Outcome` (how its write ended, kept through a drop) and its
-:class:`Takeover` (whether the sidecars took it over). :data:`VIEWS` projects each
-reachable (phase, outcome, taken over and pending) to every outside view of it
-(:class:`View`: what this host tells the committer, the Status lists, the RAM tier's
+A step's place in its lifecycle is three values, each changed only by its transitions
+(``step.py``): its :class:`State`, its :class:`Outcome` (how its write ended, kept through
+a drop) and its :class:`Takeover` (whether the sidecars took it over). :data:`VIEWS`
+projects each reachable (state, outcome, taken over and pending) to every outside view of
+it (:class:`View`: what this host tells the committer, the Status lists, the RAM tier's
 reason to keep it, ``sidecar drain``'s word), and ``Step.view`` reads it; nothing outside
-this table groups phases::
+this table groups states::
 
-    phase     outcome  pending agree       Status lists         RAM tier's reason       drain
+    state     outcome  pending agree       Status lists         RAM tier's reason       drain
     STAGING   NONE     no      TAKEN_OVER  writing              being written           writing
     STAGING   NONE     yes     TAKEN_OVER  committing, writing  being written           writing
     STAGED    (as STAGING)
@@ -32,10 +32,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from sidecar._src.ckptfmt.records import AgreePhase
+from sidecar._src.ckptfmt.records import Standing
 
 
-class Phase(enum.Enum):
+class State(enum.Enum):
   """Where a ``step.Step`` is (``step.py``'s docstring draws the transitions)."""
   STAGING = "staging"  # shards arrive; the writer writes them as they come
   STAGED = "staged"  # every writer sent its last part: no more shards come
@@ -46,14 +46,14 @@ class Phase(enum.Enum):
 
 
 class Outcome(enum.Enum):
-  """How a step's write ended (``Step.end_write``), beside its phase; a drop keeps it."""
+  """How a step's write ended (``Step.end_write``), beside its state; a drop keeps it."""
   NONE = "not ended"  # its write goes on (or never began)
   WRITTEN = "written"  # its records as written are kept
   FAILED = "failed"  # its error is kept
 
 
 class Takeover(enum.Enum):
-  """Whether the sidecars took a step over (``agreement.py``), beside its phase."""
+  """Whether the sidecars took a step over (``agreement.py``), beside its state."""
   NONE = "not taken over"  # its trainers commit it (or nobody does)
   PENDING = "taken over"  # the sidecars commit it; its end is not known here yet
   ENDED = "agreed"  # the sidecars committed or abandoned it, or it is committed here
@@ -94,7 +94,7 @@ class View:
     copy: why the RAM tier keeps it (``ram_yield``): durable, or why not.
     drain: what ``sidecar drain`` calls it (NONE where no list names it).
   """
-  agree: AgreePhase
+  agree: Standing
   lists: tuple[Listed, ...]
   copy: Reason
   drain: Word
@@ -120,7 +120,7 @@ class View:
   def written(self) -> bool:
     """Its write ended with its records (waiting for its commit, committed, or dropped
     since)."""
-    return self.agree is AgreePhase.WRITTEN
+    return self.agree is Standing.WRITTEN
 
   @property
   def awaits_commit(self) -> bool:
@@ -134,21 +134,21 @@ class View:
     return self.copy in (Reason.BEING_WRITTEN, Reason.WAITING)
 
 
-# Every outside view of a step, by (phase, outcome, pending): the one table.
-_T, _W, _F = AgreePhase.TAKEN_OVER, AgreePhase.WRITTEN, AgreePhase.FAILED
+# Every outside view of a step, by (state, outcome, pending): the one table.
+_T, _W, _F = Standing.TAKEN_OVER, Standing.WRITTEN, Standing.FAILED
 _LW, _LU, _LR, _LC = Listed.WRITING, Listed.UNCOMMITTED, Listed.RAM, Listed.COMMITTING
 VIEWS = {
-    **{(phase, Outcome.NONE, pending): View(_T, (_LC, _LW) if pending else (_LW,),
+    **{(state, Outcome.NONE, pending): View(_T, (_LC, _LW) if pending else (_LW,),
                                             Reason.BEING_WRITTEN, Word.WRITING)
-       for phase in (Phase.STAGING, Phase.STAGED) for pending in (False, True)},
-    (Phase.WRITTEN, Outcome.WRITTEN, False): View(_W, (_LU,), Reason.WAITING,
+       for state in (State.STAGING, State.STAGED) for pending in (False, True)},
+    (State.WRITTEN, Outcome.WRITTEN, False): View(_W, (_LU,), Reason.WAITING,
                                                   Word.UNCOMMITTED),
-    (Phase.WRITTEN, Outcome.WRITTEN, True): View(_W, (_LC,), Reason.WAITING, Word.WRITING),
-    (Phase.FAILED, Outcome.FAILED, False): View(_F, (_LU,), Reason.FAILED, Word.UNCOMMITTED),
-    (Phase.FAILED, Outcome.FAILED, True): View(_F, (_LC,), Reason.FAILED, Word.WRITING),
-    (Phase.COMMITTED, Outcome.WRITTEN, False): View(_W, (_LR,), Reason.DURABLE,
+    (State.WRITTEN, Outcome.WRITTEN, True): View(_W, (_LC,), Reason.WAITING, Word.WRITING),
+    (State.FAILED, Outcome.FAILED, False): View(_F, (_LU,), Reason.FAILED, Word.UNCOMMITTED),
+    (State.FAILED, Outcome.FAILED, True): View(_F, (_LC,), Reason.FAILED, Word.WRITING),
+    (State.COMMITTED, Outcome.WRITTEN, False): View(_W, (_LR,), Reason.DURABLE,
                                                     Word.COMMITTED),
-    **{(Phase.DROPPED, outcome, pending): View(agree, (), Reason.BEING_WRITTEN, Word.NONE)
+    **{(State.DROPPED, outcome, pending): View(agree, (), Reason.BEING_WRITTEN, Word.NONE)
        for outcome, agree in ((Outcome.NONE, _T), (Outcome.WRITTEN, _W),
                               (Outcome.FAILED, _F))
        for pending in (False, True)},

@@ -1,7 +1,7 @@
 """The RAM tier of one sidecar: the steps it staged, the replicas it holds, its budgets.
 
 It holds each ``step.Step`` (this host's own shards of a step, and how far the step got:
-its phases are that module's) and each :class:`Replica` (the shards of a step another
+its states are that module's) and each :class:`Replica` (the shards of a step another
 sidecar sent here). :class:`RamTier` keeps them under its own lock, behind queries (a
 step by item or tmp directory, the commits pending in a directory, the steps in flight,
 what it holds) and commands (receive, replace or discard a replica, configure a
@@ -69,7 +69,7 @@ class RamTier:
   """The steps and replicas one sidecar (``host_id``) holds.
 
   Its lock, its own, guards which ones it holds, the replicas' fields and the budgets; a
-  step's phase and shards are the step's own (``step.Step``, whose lock is taken inside
+  step's state and shards are the step's own (``step.Step``, whose lock is taken inside
   this one, by the tier alone): a step enters by :meth:`slot` or :meth:`add` and leaves by
   :meth:`remove`, :meth:`remove_item`, :meth:`drop` or :meth:`expire_uncommitted`, each
   dropping it (``Step.drop``). A replica enters by :meth:`open_replica` and
@@ -225,7 +225,7 @@ class RamTier:
       held = [r for r in self._replicas.values() if r.final_dir == final_dir]
       if own is not None and not own.view().written:
         log.info("step %d of %s: told it is committed while %s here; left as it is",
-                 own.step, own.directory, own.phase.value, extra={"step": own.step})
+                 own.step, own.directory, own.state.value, extra={"step": own.step})
         own = None
       if own is None and not held:
         return []

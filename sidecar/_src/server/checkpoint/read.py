@@ -90,8 +90,8 @@ def readable_taken_over(held: step_lib.Step | None) -> bool:
   """Whether ``held`` is a step this host took over and still holds whole, committed or not
   (its write may go on): its bytes are the ones the sidecars commit."""
   return (held is not None and held.takeover is not step_lib.Takeover.NONE
-          and held.phase in (step_lib.Phase.STAGED, step_lib.Phase.WRITTEN,
-                             step_lib.Phase.COMMITTED))
+          and held.state in (step_lib.State.STAGED, step_lib.State.WRITTEN,
+                             step_lib.State.COMMITTED))
 
 
 def taken_over(held: step_lib.Step | None, final_dir: str, host_id: int) -> Manifest:
@@ -103,11 +103,11 @@ def taken_over(held: step_lib.Step | None, final_dir: str, host_id: int) -> Mani
   if held is None or not readable_taken_over(held):
     raise errors.InvalidArgumentError(
         f"host {host_id} holds no step taken over at {final_dir!r:.200}"
-        + (f" (it is {held.phase.value}"
+        + (f" (it is {held.state.value}"
            f"{', taken over' if held.takeover is not step_lib.Takeover.NONE else ''})"
            if held is not None else "")
         + ": restore a committed step (latest_step())")
-  records_ = held.written_records if held.phase is not step_lib.Phase.STAGED else []
+  records_ = held.written_records if held.state is not step_lib.State.STAGED else []
   if not records_:
     records_ = [s.record for s in held.staged()]
   lead = next((p.data_state_json for p in held.plans if p.lead), "")

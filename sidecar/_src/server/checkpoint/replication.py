@@ -96,7 +96,7 @@ class Replicator:
       job, made = own.start_replication(
           lambda: copies.Replication(targets, bandwidth, tenant=tenant))
     except step_lib.StateError:  # not whole (staging, failed before it was), or dropped
-      if own.phase is step_lib.Phase.DROPPED:  # since step_at found it: as if not found
+      if own.state is step_lib.State.DROPPED:  # since step_at found it: as if not found
         raise errors.InvalidArgumentError(
             f"host {self._host_id} holds step {own.step} at {final_dir!r:.200} no more: its "
             "save was aborted (or its RAM tier let it go) before its replication began; "
@@ -134,7 +134,7 @@ class Replicator:
       result = Replicated(tuple(r.host_id for r in job.receivers), len(shards),
                           sum(s.data.nbytes for s in shards), time.perf_counter() - t0)
       self._metrics.checkpoint_bytes("replicated", result.nbytes * len(job.receivers))
-      self._metrics.phase("replicate", result.seconds)
+      self._metrics.background("replicate", result.seconds)
     except BaseException as e:
       error = e.with_traceback(None)
       e.__context__ = e.__cause__ = None

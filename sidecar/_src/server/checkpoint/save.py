@@ -1,4 +1,4 @@
-"""The save phases on the sidecar: open, begin, stage, prepared, commit, abort, delete.
+"""A save's calls on the sidecar: open, begin, stage, prepared, commit, abort, delete.
 
 ``stage`` takes shards the worker copied into the arena into the step's ``step.Step``
 (``Step.take``); from then on the trainer's arrays are free: this host's RAM tier holds
@@ -12,7 +12,7 @@ directories, how parts are numbered, the write engine, the commit) is the step's
 branches on a format. ``delete`` and ``abort`` remove only step directories a
 checkpoint wrote.
 
-**One operation, one resolution.** Each phase resolves the paths it is given once, to
+**One operation, one resolution.** Each call resolves the paths it is given once, to
 check them (``roots.py``); what it then makes, renames or removes it reaches through the
 directory it acts in, opened once from its checkpoint root with no symlink followed
 (``Roots.open``, ``ckptfmt/dir_fd.DirFd``), and it checks and acts relative to that
@@ -35,7 +35,7 @@ from typing import Any
 from sidecar._src.ckptfmt import direct_io, records, registry as formats_lib
 from sidecar._src.ckptfmt.direct_io import Turn
 from sidecar._src.ckptfmt.format import Format, Uncommitted
-from sidecar._src.ckptfmt.records import AgreePhase, Manifest, ShardRecord, Staged
+from sidecar._src.ckptfmt.records import Manifest, ShardRecord, Staged, Standing
 from sidecar._src.ckptfmt.save_values import Abort, Begin, Commit, Prepared, Stage
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
@@ -54,12 +54,12 @@ log = logging.getLogger(__name__)
 
 
 class StepWriter:
-  """The save phases of one sidecar (``host_id``) over its RAM ``tier``.
+  """A save's calls on one sidecar (``host_id``) over its RAM ``tier``.
 
   Args:
     host_id: this sidecar's host.
     tier: its RAM tier, where the staged steps go.
-    roots: its checkpoint roots; every path a phase names is checked against them.
+    roots: its checkpoint roots; every path a call names is checked against them.
     spawn: starts a thread the owner joins (``spawn(target, *args, name=...)``).
     metrics: where the bytes staged and written and the write's time are recorded.
     formats: the formats by name (a unit test gives one whose write records, waits or fails).
@@ -314,8 +314,8 @@ class StepWriter:
     later part of a save whose write failed, or where the step is staged whole already."""
     step, tmp_dir, final_dir, owner = stage.step, stage.tmp_dir, stage.final_dir, caller.owner
     own = slot.step
-    phase = own.phase if own is not None else None
-    writing = phase in (step_lib.Phase.STAGING, step_lib.Phase.STAGED)
+    state = own.state if own is not None else None
+    writing = state in (step_lib.State.STAGING, step_lib.State.STAGED)
     if own is not None and writing and (
         own.tmp_dir != tmp_dir
         or (owner not in own.owners and len(own.owners) >= own.writers)):
@@ -323,7 +323,7 @@ class StepWriter:
           f"stage: step {own.step} at {final_dir!r:.200} is being saved by another "
           f"session on host {self._host_id}; only the session that began a save stages "
           "its parts")
-    if (own is not None and phase is step_lib.Phase.FAILED and finish_tmp is None
+    if (own is not None and state is step_lib.State.FAILED and finish_tmp is None
         and _same_save(own, tmp_dir, owner)):  # a later part of a failed save
       assert own.error is not None
       raise write_lib.write_failure(self._host_id, step, final_dir, own.error,
@@ -334,14 +334,14 @@ class StepWriter:
                           numbering=fmt.numbering(stage.leaves))
       self._writers.admit(own, tenant=caller.tenant, session=owner)  # (refused: nothing held)
       slot.hold(own)
-      phase = step_lib.Phase.STAGING
+      state = step_lib.State.STAGING
       # Its writer thread starts once it has something to write (Writers.staged).
       self._writers.waiting(own, functools.partial(self._spawn, functools.partial(
           write_lib.write_step, own, fmt, host_id=self._host_id, tier=self._tier,
           metrics=self._metrics, turn=self._write_turn(owner) or direct_io.no_turn,
           finish_tmp=finish_tmp), name=f"sidecar-ckpt-{step}"))
     # (else its writer ran it: a part that begins a step in flight is refused first)
-    if phase is step_lib.Phase.STAGED:
+    if state is step_lib.State.STAGED:
       raise errors.InvalidArgumentError(
           f"stage: step {step} of {stage.directory!r:.200} is staged already on host "
           f"{self._host_id}: another save of step {step} into this directory is in flight "
@@ -360,7 +360,7 @@ class StepWriter:
     except errors.InvalidArgumentError as e:
       raise errors.InvalidArgumentError(f"step {stage.step} on host {self._host_id}: {e}") from None
     except step_lib.StateError:  # its write failed, or it was aborted, since the check above
-      if own.phase is step_lib.Phase.FAILED:
+      if own.state is step_lib.State.FAILED:
         assert own.error is not None
         raise write_lib.write_failure(self._host_id, stage.step, stage.final_dir, own.error,
                                       tmp_dir=stage.tmp_dir) from None
@@ -392,7 +392,7 @@ class StepWriter:
     if not own.wait_written(timeout):
       raise errors.DeadlineExceededError(
           f"step {own.step} is still being written after {timeout} s")
-    if own.view().agree is AgreePhase.FAILED:  # (a step dropped since: as its write ended)
+    if own.view().agree is Standing.FAILED:  # (a step dropped since: as its write ended)
       assert own.error is not None
       raise write_lib.write_failure(self._host_id, own.step, final_dir, own.error,
                                     tmp_dir=own.tmp_dir)
@@ -450,11 +450,11 @@ class StepWriter:
     committed = ""
     try:
       part = own.view().agree
-      if part is AgreePhase.FAILED:  # the write's own error, as its prepared and Stages say
+      if part is Standing.FAILED:  # the write's own error, as its prepared and Stages say
         assert own.error is not None
         raise write_lib.write_failure(self._host_id, step, own.final_dir, own.error,
                                       tmp_dir=own.tmp_dir)
-      if part is AgreePhase.TAKEN_OVER:  # a save commits after its prepared: another's
+      if part is Standing.TAKEN_OVER:  # a save commits after its prepared: another's
         raise errors.InvalidArgumentError(
             f"commit: step {step} at {tmp_dir!r:.200} is still being written on host "
             f"{self._host_id}: another save of step {step} into this directory is in flight "

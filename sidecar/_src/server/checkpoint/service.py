@@ -1,4 +1,4 @@
-"""The gRPC ``sidecar.v1.Checkpoint`` service: the checkpoint phases, typed, off ``Call``.
+"""The gRPC ``sidecar.v1.Checkpoint`` service: the checkpoint calls, typed, off ``Call``.
 
 Each rpc parses its request from raw bytes (malformed bytes get INVALID_ARGUMENT),
 needs a handshake session as ``Call`` does (and the token, which the server's

@@ -2,9 +2,9 @@
 
 A :class:`Step` is the sidecar's one object for a step it staged: its shards (each a
 ``records.Staged``, the shard's record with its bytes beside it: the RAM tier's copy),
-its write's outcome, whether the sidecars took it over, and its replication. Its state
-changes only through the methods below, each called from one module; nothing else
-assigns it. Its phase (``lifecycle.Phase``)::
+its write's outcome, whether the sidecars took it over, and its replication. What it
+holds changes only through the methods below, each called from one module; nothing else
+assigns it. Its state (``lifecycle.State``: where it is)::
 
     STAGING --take(last)--> STAGED --end_write(records)--> WRITTEN --commit()--> COMMITTED
        |                      |                               |                      |
@@ -25,7 +25,7 @@ assigns it. Its phase (``lifecycle.Phase``)::
   views die), its replication is cancelled, and a writer still waiting for shards is
   stopped. ``let_go`` (``write.write_step``): the same bytes go, the step kept FAILED.
 
-Beside the phase, three things run along with it:
+Beside its state, three things run along with it:
 
 - **its takeover** (``lifecycle.Takeover``, ``agreement.Agreements``): NONE, then PENDING by
   ``take_over`` once STAGED with its writers' plans (NONE again by ``refuse_takeover`` if
@@ -39,17 +39,17 @@ Beside the phase, three things run along with it:
   ``drop`` and ``stop``.
 - **its commit on storage and its abort**, one at a time: ``commit_gate.CommitGate``.
 
-A transition from a phase it does not leave raises :class:`StateError` (an internal
+A transition from a state it does not leave raises :class:`StateError` (an internal
 error: a caller's bug, never a client's).
 
-Outside this module, code reads a step's ``phase``, its ``takeover`` and its ``view()``,
-never how they are kept: ``lifecycle.VIEWS`` projects each (phase, write's outcome,
+Outside this module, code reads a step's ``state``, its ``takeover`` and its ``view()``,
+never how they are kept: ``lifecycle.VIEWS`` projects each (state, write's outcome,
 takeover) to every outside view of it, and :meth:`Step.view` reads it.
 
 Threads: the gRPC handlers (``take``, ``commit``, ``drop``), the step's writer (``arrivals``,
 ``count_written``, ``end_write``), the agreement's threads (``take_over``, ``refuse_takeover``),
 the RAM tier's yield and its reaper (``drop``) and the replication (``start_replication``,
-``staged``). Each step's ``_lock`` guards its phase and its shards; it is a leaf (nothing that
+``staged``). Each step's ``_lock`` guards its state and its shards; it is a leaf (nothing that
 takes a lock is called while it is held: only the format's numbering of a Stage's shards runs
 under it), so any other lock, the RAM tier's first, may be held around it. The RAM tier takes
 its own lock around every ``drop`` (which steps it holds changes with it), and one Stage at
@@ -74,11 +74,11 @@ from sidecar._src.ckptfmt.spec import LeafSpec
 from sidecar._src.core import errors
 from sidecar._src.server.checkpoint.commit_gate import CommitGate
 from sidecar._src.server.checkpoint.copies import Replication, StepCopy
-from sidecar._src.server.checkpoint.lifecycle import VIEWS, Outcome, Phase, Takeover, View
+from sidecar._src.server.checkpoint.lifecycle import VIEWS, Outcome, State, Takeover, View
 
 
 class StateError(errors.SidecarError, RuntimeError):
-  """A transition from a phase a step does not leave that way: a bug of its caller."""
+  """A transition from a state a step does not leave that way: a bug of its caller."""
 
 
 class _Bytes(Mapping[ShardId, np.ndarray]):
@@ -124,7 +124,7 @@ class Step(StepCopy):
     self._numbering = numbering
     self._started = time.monotonic()
     self._lock = threading.Lock()
-    self._phase = Phase.STAGING
+    self._state = State.STAGING
     # Shards on their way to the writer (as the numbering made them); None once all are.
     self._incoming: queue.SimpleQueue = queue.SimpleQueue()
     self._lasts = 0  # the writers that sent their last part
@@ -151,7 +151,7 @@ class Step(StepCopy):
     self.commit_gate = CommitGate(step, final_dir)  # its commit and its abort, one at a time
 
   def __repr__(self) -> str:
-    return f"Step({self._final_dir!r}, step={self._step}, {self._phase.name})"
+    return f"Step({self._final_dir!r}, step={self._step}, {self._state.name})"
 
   # ---- what it is (read-only) ------------------------------------------------
 
@@ -178,8 +178,8 @@ class Step(StepCopy):
   # ---- where it is -----------------------------------------------------------
 
   @property
-  def phase(self) -> Phase:
-    return self._phase
+  def state(self) -> State:
+    return self._state
 
   @property
   def takeover(self) -> Takeover:
@@ -192,11 +192,11 @@ class Step(StepCopy):
   def view(self) -> View:
     """How the outside sees it now (``lifecycle.VIEWS``)."""
     with self._lock:
-      return VIEWS[(self._phase, self._outcome, self.takeover is Takeover.PENDING)]
+      return VIEWS[(self._state, self._outcome, self.takeover is Takeover.PENDING)]
 
   @property
   def committed(self) -> bool:
-    return self._phase is Phase.COMMITTED
+    return self._state is State.COMMITTED
 
   @property
   def error(self) -> BaseException | None:
@@ -265,13 +265,13 @@ class Step(StepCopy):
 
   # ---- transitions -------------------------------------------------------------
 
-  def _move(self, to: Phase, *, legal: tuple[Phase, ...]) -> None:
+  def _move(self, to: State, *, legal: tuple[State, ...]) -> None:
     """The lock is held."""
-    if self._phase not in legal:
+    if self._state not in legal:
       raise StateError(
-          f"step {self._step} at {self._final_dir!r:.200} is {self._phase.value}: it cannot "
+          f"step {self._step} at {self._final_dir!r:.200} is {self._state.value}: it cannot "
           f"become {to.value} (only from {', '.join(p.value for p in legal)})")
-    self._phase = to
+    self._state = to
 
   def take(self, owner: str, extra: Any, shards: Sequence[Staged], *, last: bool,
            writers: int, plan: CommitPlan | None = None, leaves: Sequence[LeafSpec] = (),
@@ -286,9 +286,9 @@ class Step(StepCopy):
         this part is taken then. StateError: not STAGING.
     """
     with self._lock:
-      if self._phase is not Phase.STAGING:
+      if self._state is not State.STAGING:
         raise StateError(f"step {self._step} at {self._final_dir!r:.200} is "
-                         f"{self._phase.value}: it takes no more parts (only while staging)")
+                         f"{self._state.value}: it takes no more parts (only while staging)")
       self._owners.add(owner)
       if leaves and not self._leaves:
         self._leaves = tuple(leaves)
@@ -306,7 +306,7 @@ class Step(StepCopy):
         self._plans.append(plan)
       if self._lasts < writers:
         return False
-      self._move(Phase.STAGED, legal=(Phase.STAGING,))
+      self._move(State.STAGED, legal=(State.STAGING,))
       self._whole = True
       self._incoming.put(None)
     self._whole_event.set()
@@ -337,20 +337,20 @@ class Step(StepCopy):
     self._written += nbytes
 
   def end_write(self, records: list[ShardRecord] | None = None, *,
-                error: BaseException | None = None) -> Phase:
+                error: BaseException | None = None) -> State:
     """The writer's: WRITTEN with ``records`` (from STAGED), or FAILED with ``error``
     (from STAGING or STAGED); a step dropped meanwhile stays DROPPED, its outcome kept.
-    Returns the phase it left (STAGING: it failed before it was whole)."""
+    Returns the state it left (STAGING: it failed before it was whole)."""
     with self._lock:
-      left = self._phase
+      left = self._state
       if self._written_event.is_set():
         raise StateError(f"step {self._step} at {self._final_dir!r:.200}: its write ended "
                          "already")
-      if self._phase is not Phase.DROPPED:
+      if self._state is not State.DROPPED:
         if error is None:
-          self._move(Phase.WRITTEN, legal=(Phase.STAGED,))
+          self._move(State.WRITTEN, legal=(State.STAGED,))
         else:
-          self._move(Phase.FAILED, legal=(Phase.STAGING, Phase.STAGED))
+          self._move(State.FAILED, legal=(State.STAGING, State.STAGED))
       self._error = error
       self._outcome = Outcome.WRITTEN if error is None else Outcome.FAILED
       self._written_records = records if records is not None else []
@@ -363,18 +363,18 @@ class Step(StepCopy):
     """``ram_tier.RamTier.mark_committed``'s: WRITTEN to COMMITTED (again: nothing). A
     takeover pending ends with it (committed here, its end is known)."""
     with self._lock:
-      if self._phase is not Phase.COMMITTED:
-        self._move(Phase.COMMITTED, legal=(Phase.WRITTEN,))
+      if self._state is not State.COMMITTED:
+        self._move(State.COMMITTED, legal=(State.WRITTEN,))
       if self._agreed is not None:
         self._agreed.set()
 
   def drop(self, why: BaseException | None = None) -> None:
-    """``ram_tier.RamTier``'s: DROPPED, from any phase but DROPPED. Its bytes go back to the
+    """``ram_tier.RamTier``'s: DROPPED, from any state but DROPPED. Its bytes go back to the
     arena (as their last views die), its replication is cancelled, and a writer still
     waiting for its shards stops with ``why`` (a ClosedError by default)."""
     with self._lock:
-      self._move(Phase.DROPPED, legal=(Phase.STAGING, Phase.STAGED, Phase.WRITTEN,
-                                       Phase.FAILED, Phase.COMMITTED))
+      self._move(State.DROPPED, legal=(State.STAGING, State.STAGED, State.WRITTEN,
+                                       State.FAILED, State.COMMITTED))
       ended = self._written_event.is_set()
       self._staged.clear()
     self.stop(why if why is not None else errors.ClosedError(
@@ -387,9 +387,9 @@ class Step(StepCopy):
     """The writer's, for a step that FAILED before it was whole, kept for its trainers to
     learn why: its bytes go back now, not at an abort that may never come (it expires)."""
     with self._lock:
-      if self._phase is not Phase.FAILED:
+      if self._state is not State.FAILED:
         raise StateError(f"step {self._step} at {self._final_dir!r:.200} is "
-                         f"{self._phase.name}: only a failed step lets its bytes go so")
+                         f"{self._state.name}: only a failed step lets its bytes go so")
       self._staged.clear()
     _drain(self._incoming)
 
@@ -411,7 +411,7 @@ class Step(StepCopy):
     with self._lock:
       if not self._whole or self._agreed is not None:
         raise StateError(f"step {self._step} at {self._final_dir!r:.200} is "
-                         f"{self._phase.value}{', taken over already' if self._agreed else ''}:"
+                         f"{self._state.value}{', taken over already' if self._agreed else ''}:"
                          " only a whole step is taken over, once")
       self._agreed = ended
 
@@ -424,9 +424,9 @@ class Step(StepCopy):
     """``replication.Replicator``'s: its replication, made by ``make`` if it has none yet
     (once whole, not dropped); and whether it was made now."""
     with self._lock:
-      if not self._whole or self._phase is Phase.DROPPED:
+      if not self._whole or self._state is State.DROPPED:
         raise StateError(f"step {self._step} at {self._final_dir!r:.200} is "
-                         f"{self._phase.value}: only a whole step is replicated")
+                         f"{self._state.value}: only a whole step is replicated")
       if self._replication is not None:
         return self._replication, False
       self._replication = make()

@@ -1,7 +1,7 @@
-"""A checkpoint directory's steps on disk, as the save phases act on them: an open (made,
+"""A checkpoint directory's steps on disk, as a save's calls act on them: an open (made,
 probed, swept, listed), a Delete, the directory an Abort or a commit acts in.
 
-Each is one resolution: the path a phase was given is resolved once, to be checked
+Each is one resolution: the path a call was given is resolved once, to be checked
 (``roots.py``, within the request's ``one_resolution``), and what it then makes, renames
 or removes it reaches through the directory it acts in, opened once from its checkpoint
 root with no symlink followed (``Roots.open``, ``ckptfmt/dir_fd.DirFd``); it checks and

@@ -80,7 +80,7 @@ class Writers:
     here already: ResourceExhaustedError naming the bound and the tenant then."""
     holder = ("tenant", tenant) if tenant is not None else ("session", session)
     with self._lock:
-      for gone in [s for s in self._holders if s.phase is not step_lib.Phase.STAGING]:
+      for gone in [s for s in self._holders if s.state is not step_lib.State.STAGING]:
         del self._holders[gone]
       held = sum(1 for h in self._holders.values() if h == holder)
       if held >= BEGUN_STEPS:
@@ -115,11 +115,11 @@ class Writers:
     now = time.monotonic()
     with self._lock:
       due = [s for s, w in self._waiting.items()
-             if s.phase is not step_lib.Phase.STAGING or now - w.since >= STAGE_TIMEOUT_S]
+             if s.state is not step_lib.State.STAGING or now - w.since >= STAGE_TIMEOUT_S]
       for own in due:
         del self._waiting[own]
     for own in due:
-      if own.phase is step_lib.Phase.STAGING:
+      if own.state is step_lib.State.STAGING:
         log.warning("step %d: no part staged for %g s after it was begun; its save is "
                     "dropped here", own.step, STAGE_TIMEOUT_S, extra={"step": own.step})
       _failed(own, self._tier, errors.DeadlineExceededError(
@@ -183,7 +183,7 @@ def write_step(own: step_lib.Step, fmt: Format, *, host_id: int, tier: ram_tier.
     written = fmt.write(own.tmp_dir, host_id, own.numbering, own.arrivals(STAGE_TIMEOUT_S),
                         progress=progress, turn=turn)
     seconds = time.perf_counter() - t0
-    metrics.phase("write", seconds)
+    metrics.background("write", seconds)
     log.info("step %d: wrote %s in %.2f s (%.2f GB/s)", own.step,
              shm.format_size(own.nbytes), seconds, own.nbytes / max(seconds, 1e-9) / 1e9,
              extra={"step": own.step})
@@ -206,7 +206,7 @@ def _failed(own: step_lib.Step, tier: ram_tier.RamTier, error: BaseException) ->
   prepared or its commit, and aborts the save; meanwhile the step keeps its error, not its
   bytes, and expires as an uncommitted step does (a trainer that never comes back leaves
   its record, no shard in it, for uncommitted_s: its error, owners and leaf specs)."""
-  if own.end_write(error=error) is step_lib.Phase.STAGING:
+  if own.end_write(error=error) is step_lib.State.STAGING:
     if own.trainers_alive() is False:
       tier.remove(own)
     else:

@@ -1,4 +1,4 @@
-"""SIGKILL at every phase of a save: the previous step restores bit-exact, nothing leaks."""
+"""SIGKILL at each point of a save's sequence: the step before restores bit-exact, no leaks."""
 
 import os
 import signal

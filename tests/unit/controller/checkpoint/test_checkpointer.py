@@ -103,7 +103,7 @@ class NoPartOnHost0(HeldWrites):
 
   def info(self, host, final_dir, *, taken_over=False):
     if taken_over and host == 0:
-      return self._phase("info", 5)  # host 5 is none of them: HostLostError
+      return self._call("info", 5)  # host 5 is none of them: HostLostError
     return super().info(host, final_dir, taken_over=taken_over)
 
 
@@ -120,7 +120,7 @@ class OwnTmp(FakeSidecars):
     self.tmp_dirs: list[tuple[str, str]] = []
 
   def begin(self, host, begin):
-    return self._phase("begin", host, f"{begin.directory}/{begin.step}.orbax-checkpoint-tmp-1234")
+    return self._call("begin", host, f"{begin.directory}/{begin.step}.orbax-checkpoint-tmp-1234")
 
   def stage(self, host, stage):
     self.tmp_dirs.append(("stage", stage.tmp_dir))

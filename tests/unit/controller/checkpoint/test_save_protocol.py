@@ -61,15 +61,15 @@ class Recording(FakeSidecars):
   def stage(self, host, stage):
     self.sent.append(("stage", host, len(stage.shards), stage.last, stage.writers,
                       stage.extra, stage.leaves))
-    return self._phase("stage", host, 0)
+    return self._call("stage", host, 0)
 
   def abort(self, host, abort):
     self.sent.append(("abort", host, abort.tmp_dir))
-    return self._phase("abort", host, self.committed_at.get(host, ""))
+    return self._call("abort", host, self.committed_at.get(host, ""))
 
   def committed(self, host, committed):
     self.sent.append(("committed", host, committed.manifest_json))
-    return self._phase("committed", host, [])
+    return self._call("committed", host, [])
 
 
 def test_each_lot_carries_the_format_extra_and_a_host_first_its_leaves():
@@ -432,7 +432,7 @@ class LayoutSidecars(FakeSidecars):
 
   def begin(self, host, begin):
     assert begin.format == self.fmt.name, begin.format
-    return self._phase("begin", host, self.fmt.tmp_of(begin.directory, begin.step))
+    return self._call("begin", host, self.fmt.tmp_of(begin.directory, begin.step))
 
   def stage(self, host, stage):
     self.staged_at.append((stage.tmp_dir, stage.final_dir))
@@ -454,7 +454,7 @@ class LayoutSidecars(FakeSidecars):
         self.fmt.name, tuple(SavedLeaf.of(s) for s in leaves), tuple(shards),
         json.loads(data_state_json) if data_state_json else None, {}, step=step)
     self.steps.setdefault(str(found.committed.parent), set()).add(step)
-    return self._phase("commit", host, str(found.final))
+    return self._call("commit", host, str(found.final))
 
 
 @pytest.mark.parametrize("fmt", [StepDirectory(), HiddenStaging()], ids=lambda f: f.name)

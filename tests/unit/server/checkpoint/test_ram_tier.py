@@ -97,7 +97,7 @@ def used_blocks(arena) -> int:
 def test_the_newest_ram_steps_stay_and_the_rest_go_back_to_the_arena(tier, arena):
   tier.configure(D, 2, None)
   assert [commit(tier, arena, s) for s in (1, 2, 3)] == [[1], [1, 2], [2, 3]]
-  assert [s.phase for s in tier.steps()] == [step_lib.Phase.COMMITTED] * 2
+  assert [s.state for s in tier.steps()] == [step_lib.State.COMMITTED] * 2
   assert used_blocks(arena) == 2
   assert sorted(s.step for s in tier.steps()) == [2, 3]
   assert tier.holdings().commits == (item(1), item(2), item(3))  # step 1's: gone since
@@ -173,7 +173,7 @@ def test_drop_cancels_the_replication_of_a_dropped_step(tier, arena):
       lambda: step_lib.Replication([ReplicaTarget(host_id=1, address="127.0.0.1:1")]))
   assert made and job.receivers[0].host_id == 1
   tier.drop([(D, 1)])
-  assert job.cancelled and used_blocks(arena) == 0 and own.phase is step_lib.Phase.DROPPED
+  assert job.cancelled and used_blocks(arena) == 0 and own.state is step_lib.State.DROPPED
 
 
 def test_drop_keeps_uncommitted_steps_and_other_directories(tier, arena):
@@ -195,7 +195,7 @@ def test_steps_whose_commit_never_comes_expire_and_free_their_blocks(arena, capl
   assert "step 1 of /ck/run was staged and written" in caplog.text
   assert ("never committed (the controller that staged it is gone?): its "
           f"{shm.format_size(2 * KB)} are freed") in caplog.text
-  assert job.cancelled and stale.shards == {} and stale.phase is step_lib.Phase.DROPPED
+  assert job.cancelled and stale.shards == {} and stale.state is step_lib.State.DROPPED
   assert sorted(s.step for s in tier.steps()) == [2, 3]
   assert used_blocks(arena) == 2  # the step is still referenced here; its blocks are not
   assert tier.expire_uncommitted() == []
@@ -298,7 +298,7 @@ def test_a_commit_told_of_a_step_not_written_here_leaves_it(tier, arena, caplog)
   with caplog.at_level(logging.INFO, logger="sidecar._src.server.checkpoint.ram_tier"):
     assert tier.mark_committed(item(1)) == []
   assert "told it is committed while staged here; left as it is" in caplog.text
-  assert own.phase is step_lib.Phase.STAGED and tier.find(item(1)) is own
+  assert own.state is step_lib.State.STAGED and tier.find(item(1)) is own
   own.end_write([])
   assert tier.mark_committed(item(1)) == [1] and own.committed
 
@@ -377,7 +377,7 @@ def test_a_slot_is_one_stage_at_a_time_and_lends_no_lock_of_the_tier_s(tier, are
   assert not asking.is_alive(), "a Stage's block that asked the tier deadlocked"
   new = answers[1]
   assert answers[0] == (old, old, True) and new is not old
-  assert tier.find(item(1)) is new and old.phase is step_lib.Phase.DROPPED
+  assert tier.find(item(1)) is new and old.state is step_lib.State.DROPPED
   def second():
     with tier.slot(item(3)):
       pass

@@ -1,4 +1,4 @@
-"""The host's save phases (begin, stage, prepared, commit, abort, delete) through the step writer's
+"""The host's save calls (begin, stage, prepared, commit, abort, delete) through the step writer's
 seam, its format registry: the real Orbax format, its write wrapped to record what it is
 given and when, or to fail. Real files under tmp_path; no server, no processes."""
 
@@ -109,7 +109,7 @@ def test_parts_are_written_as_they_come_and_two_writers_make_one_step(make_write
   assert engine.first.wait(30)  # written before the rest is staged
   assert engine.seen == [(0, ((0, 2), (0, 2)))]
   stage([shard(0, ((2, 4), (0, 2)), 2.0)], True, "a")
-  assert tier.find(final).phase is step_lib.Phase.STAGING  # the other process's last part is due
+  assert tier.find(final).state is step_lib.State.STAGING  # the other process's last part is due
   assert stage([shard(1, ((0, 3),), 7)], True, "b") == 16 + 16 + 12
   sums = writer.prepared(Prepared(final), Caller(wait_s=30))
   assert sorted((c.key_path, c.index, c.host) for c in sums) == [
@@ -165,7 +165,7 @@ def test_a_part_staged_after_its_saves_write_failed_is_told_the_failure(make_wri
                                                  last=last), Caller(owner="a", **LIVENESS[trainer]))
   part([shard(0, ((0, 2), (0, 2)), 1.0)], False)
   own = tier.find(final)
-  assert own.wait_written(30) and own.phase is step_lib.Phase.FAILED
+  assert own.wait_written(30) and own.state is step_lib.State.FAILED
   assert eventually(lambda: own.shards == {})  # its bytes let go; its error kept
   for _ in range(2):
     with pytest.raises(errors.CheckpointWriteError, match=r"^host 0 could not write step 4: "
@@ -177,7 +177,7 @@ def test_a_part_staged_after_its_saves_write_failed_is_told_the_failure(make_wri
     writer.commit(Commit(tmp_dir=tmp_dir, step=4, num_hosts=1, leaves=SPECS, shards=[],
                          data_state_json="", whole_step=True), Caller(owner="a"))
   writer.abort(Abort(os.path.dirname(tmp_dir), final), Caller())
-  assert tier.find(final) is None and own.phase is step_lib.Phase.DROPPED
+  assert tier.find(final) is None and own.state is step_lib.State.DROPPED
 
 
 @pytest.mark.parametrize("trainer", LIVENESS, ids=list(LIVENESS))
@@ -196,7 +196,7 @@ def test_another_writers_part_after_the_write_failed_is_told_the_failure(
                                                                                 **LIVENESS[trainer]))
   part("a", [shard(0, ((0, 2), (0, 2)), 1.0)])
   own = tier.find(final)
-  assert own.wait_written(30) and own.phase is step_lib.Phase.FAILED
+  assert own.wait_written(30) and own.state is step_lib.State.FAILED
   with pytest.raises(errors.CheckpointWriteError, match=r"^host 0 could not write step 4: "
                      r"Input/output error \(EIO\) writing w/0"):
     part("b", [shard(0, ((2, 4), (0, 2)), 2.0), shard(1, ((0, 3),), 7)])
@@ -209,7 +209,7 @@ def test_another_writers_part_after_the_write_failed_is_told_the_failure(
            shard(1, ((0, 3),), 7)]
   writer.stage(Stage(directory, 4, tmp_dir, final, SPECS, whole, last=True, writers=1),
                Caller(owner="b", **LIVENESS[trainer]))
-  assert tier.find(final) is not own and own.phase is step_lib.Phase.DROPPED
+  assert tier.find(final) is not own and own.state is step_lib.State.DROPPED
 
 
 def test_a_failed_step_kept_for_its_trainer_expires_as_an_uncommitted_one(make_writer, tmp_path,
@@ -224,7 +224,7 @@ def test_a_failed_step_kept_for_its_trainer_expires_as_an_uncommitted_one(make_w
   writer.stage(Stage(directory, 4, tmp_dir, final, SPECS, [shard(1, ((0, 3),), 1)],
                      last=False), Caller(owner="a"))
   own = tier.find(final)
-  assert own.wait_written(30) and own.phase is step_lib.Phase.FAILED
+  assert own.wait_written(30) and own.state is step_lib.State.FAILED
   assert eventually(lambda: own.shards == {})  # its bytes let go at the failure
   assert tier.expire_uncommitted() == [] and tier.find(final) is own  # within its time
   tier.uncommitted_s = 0.0
@@ -247,7 +247,7 @@ def test_abort_stops_a_writer_waiting_for_parts_and_lets_the_blocks_go(make_writ
   own = tier.find(final)
   writer.abort(Abort(os.path.dirname(tmp_dir), final), Caller())
   assert own.wait_written(0) and isinstance(own.error, errors.ClosedError)
-  assert own.phase is step_lib.Phase.DROPPED  # aborted mid-write: its write's end recorded
+  assert own.state is step_lib.State.DROPPED  # aborted mid-write: its write's end recorded
   assert tier.find(final) is None and own.shards == {}
   assert os.listdir(directory) == []
 

@@ -1,5 +1,5 @@
-"""A sidecar step's phases: each legal transition, the failure edges, and a transition
-from a phase the step does not leave raising StateError.
+"""A sidecar step's states: each legal transition, the failure edges, and a transition
+from a state the step does not leave raising StateError.
 
 Steps made of plain arrays, driven as the sidecar's stage, writer, agreement, replication
 and RAM tier drive them; no writer thread, no server.
@@ -14,7 +14,7 @@ import pytest
 from sidecar._src.ckptfmt.records import ReplicaTarget, Replicated, ShardId
 from sidecar._src.core import errors
 from sidecar._src.server.checkpoint import ram_tier, step as step_lib
-from sidecar._src.server.checkpoint.step import Phase, StateError, Takeover
+from sidecar._src.server.checkpoint.step import State, StateError, Takeover
 from tests.conftest import eventually
 from tests.support.ram_steps import AsStaged, make_step, shards_of
 
@@ -35,44 +35,44 @@ def fresh(writers: int = 1) -> step_lib.Step:
 
 def test_a_step_goes_staging_staged_written_committed_dropped():
   own = fresh()
-  assert own.phase is Phase.STAGING and not own.wait_whole(0)
+  assert own.state is State.STAGING and not own.wait_whole(0)
   assert not own.take("a", None, shards_of(shard(0)), last=False, writers=1)
-  assert own.phase is Phase.STAGING and own.nbytes == 16
+  assert own.state is State.STAGING and own.nbytes == 16
   assert own.take("a", None, shards_of(shard(1)), last=True, writers=1)
-  assert own.phase is Phase.STAGED and own.wait_whole(0) and own.owners == {"a"}
+  assert own.state is State.STAGED and own.wait_whole(0) and own.owners == {"a"}
   arrived = list(own.arrivals(0.0))  # the writer's: every shard, then the end
   assert [s.record.id for s in arrived] == [*shard(0), *shard(1)]
   assert list(own.shards) == [*shard(0), *shard(1)]  # one map: records and bytes together
   np.testing.assert_array_equal(own.shards[ShardId(("w",), ((1, 2),))], np.full(4, 1))
   own.count_written(32)
   own.end_write([s.record for s in arrived])
-  assert own.phase is Phase.WRITTEN and own.wait_written(0)
+  assert own.state is State.WRITTEN and own.wait_written(0)
   assert own.written == 32 and own.error is None and len(own.written_records) == 2
   own.commit()
   own.commit()  # told again (the sidecars' commit, then the trainers'): nothing more
-  assert own.phase is Phase.COMMITTED and own.committed
+  assert own.state is State.COMMITTED and own.committed
   own.drop()
-  assert own.phase is Phase.DROPPED and own.shards == {} and own.staged() == []
+  assert own.state is State.DROPPED and own.shards == {} and own.staged() == []
 
 
 def test_two_writers_make_it_whole_only_with_both_last_parts():
   own = fresh(writers=2)
   assert not own.take("a", None, shards_of(shard(0)), last=True, writers=2)
-  assert own.phase is Phase.STAGING and not own.wait_whole(0)
+  assert own.state is State.STAGING and not own.wait_whole(0)
   assert own.take("b", None, shards_of(shard(1)), last=True, writers=2)
-  assert own.phase is Phase.STAGED and own.wait_whole(0) and own.owners == {"a", "b"}
+  assert own.state is State.STAGED and own.wait_whole(0) and own.owners == {"a", "b"}
 
 
 @pytest.mark.parametrize("last", [False, True], ids=["mid-stage", "staged-whole"])
 def test_a_failed_write_is_failed_then_dropped(last):
   own = make_step(D, 1, FINAL, shard(0), written=False, staged=last)
   own.end_write(error=OSError(28, "No space left on device"))
-  assert own.phase is Phase.FAILED and isinstance(own.error, OSError) and own.wait_written(0)
+  assert own.state is State.FAILED and isinstance(own.error, OSError) and own.wait_written(0)
   with pytest.raises(StateError, match=r"step 1 at '/ck/run/1/default' is failed: it cannot "
                                        r"become committed \(only from written\)"):
     own.commit()
   own.drop()
-  assert own.phase is Phase.DROPPED
+  assert own.state is State.DROPPED
 
 
 def test_a_step_failed_mid_stage_lets_its_bytes_go_and_keeps_its_error():
@@ -82,7 +82,7 @@ def test_a_step_failed_mid_stage_lets_its_bytes_go_and_keeps_its_error():
     own.let_go()
   own.end_write(error=OSError(28, "No space left on device"))
   own.let_go()
-  assert own.phase is Phase.FAILED and isinstance(own.error, OSError)
+  assert own.state is State.FAILED and isinstance(own.error, OSError)
   assert own.shards == {} and own.staged() == [] and own.owners
 
 
@@ -94,7 +94,7 @@ def test_an_abort_mid_write_drops_it_and_stops_its_writer():
   with pytest.raises(errors.ClosedError, match=r"^the save of step 1 was aborted$"):
     list(own.arrivals(0.0))  # the shard first, then the abort
   own.end_write(error=errors.ClosedError("aborted"))
-  assert own.phase is Phase.DROPPED and isinstance(own.error, errors.ClosedError)
+  assert own.state is State.DROPPED and isinstance(own.error, errors.ClosedError)
   assert own.wait_whole(0) and own.wait_written(0)
 
 
@@ -110,35 +110,35 @@ def test_a_stopping_sidecar_stops_the_writer_and_the_replication():
   own.stop(errors.ClosedError("stopping"))
   with pytest.raises(errors.ClosedError, match="stopping"):
     list(own.arrivals(0.0))
-  assert own.phase is Phase.STAGING  # its writer's end makes it failed
+  assert own.state is State.STAGING  # its writer's end makes it failed
 
 
-@pytest.mark.parametrize(("phase", "move", "match"), [
-    (Phase.STAGED, lambda s: s.take("a", None, [], last=True, writers=1),
+@pytest.mark.parametrize(("state", "move", "match"), [
+    (State.STAGED, lambda s: s.take("a", None, [], last=True, writers=1),
      r"is staged: it takes no more parts \(only while staging\)"),
-    (Phase.WRITTEN, lambda s: s.end_write([]), r"its write ended already"),
-    (Phase.STAGING, lambda s: s.end_write([]),
+    (State.WRITTEN, lambda s: s.end_write([]), r"its write ended already"),
+    (State.STAGING, lambda s: s.end_write([]),
      r"is staging: it cannot become written \(only from staged\)"),
-    (Phase.STAGED, lambda s: s.commit(), r"is staged: it cannot become committed"),
-    (Phase.DROPPED, lambda s: s.drop(), r"is dropped: it cannot become dropped"),
-    (Phase.STAGING, lambda s: s.take_over(threading.Event()),
+    (State.STAGED, lambda s: s.commit(), r"is staged: it cannot become committed"),
+    (State.DROPPED, lambda s: s.drop(), r"is dropped: it cannot become dropped"),
+    (State.STAGING, lambda s: s.take_over(threading.Event()),
      r"only a whole step is taken over, once"),
-    (Phase.STAGING, lambda s: s.start_replication(lambda: step_lib.Replication([])),
+    (State.STAGING, lambda s: s.start_replication(lambda: step_lib.Replication([])),
      r"is staging: only a whole step is replicated"),
-    (Phase.DROPPED, lambda s: s.start_replication(lambda: step_lib.Replication([])),
+    (State.DROPPED, lambda s: s.start_replication(lambda: step_lib.Replication([])),
      r"is dropped: only a whole step is replicated"),
 ], ids=["take-staged", "end-write-twice", "written-while-staging", "commit-unwritten",
         "drop-twice", "take-over-staging", "replicate-staging",
         "replicate-dropped"])
-def test_a_transition_from_a_phase_it_does_not_leave_raises(phase, move, match):
-  own = make_step(D, 1, FINAL, shard(0), written=phase in (Phase.WRITTEN, Phase.DROPPED),
-                  staged=phase is not Phase.STAGING)
-  if phase is Phase.DROPPED:
+def test_a_transition_from_a_state_it_does_not_leave_raises(state, move, match):
+  own = make_step(D, 1, FINAL, shard(0), written=state in (State.WRITTEN, State.DROPPED),
+                  staged=state is not State.STAGING)
+  if state is State.DROPPED:
     own.drop()
-  assert own.phase is phase
+  assert own.state is state
   with pytest.raises(StateError, match=match):
     move(own)
-  assert own.phase is phase  # unchanged
+  assert own.state is state  # unchanged
 
 
 def test_a_step_taken_over_is_pending_until_its_agreement_ends():
@@ -213,7 +213,7 @@ def test_a_write_ends_once_even_racing_a_drop():
     go.wait()
     own.drop()
     t.join()
-    assert own.phase is Phase.DROPPED and own.wait_written(0) and own.error is None
+    assert own.state is State.DROPPED and own.wait_written(0) and own.error is None
 
 
 def test_a_replicate_waiting_for_a_step_whose_save_is_aborted_is_told_it_is_gone():

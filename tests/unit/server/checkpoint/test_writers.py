@@ -81,10 +81,10 @@ def test_a_begun_step_whose_part_never_comes_fails_as_its_writer_would_have(
   _begin(writer, directory, 2)
   writer.forget_ended()  # the reaper, before the wait is over: it waits on
   (own,) = writer.tier.steps()
-  assert own.phase is step_lib.Phase.STAGING
+  assert own.state is step_lib.State.STAGING
   monkeypatch.setattr(write_lib, "STAGE_TIMEOUT_S", 0.0)
   writer.forget_ended()  # the reaper, once it is over
-  assert own.phase is step_lib.Phase.FAILED and own.wait_written(0)
+  assert own.state is step_lib.State.FAILED and own.wait_written(0)
   with pytest.raises(errors.DeadlineExceededError, match="step 2: no part staged for 0 s"):
     writer.prepared(Prepared(f"{directory}/2/default"), Caller(wait_s=5))
   assert writer.started == []
