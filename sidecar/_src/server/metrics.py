@@ -401,6 +401,9 @@ class _Collector(Collector):
     yield _histogram("sidecar_checkpoint_background_seconds", "A checkpoint's background "
                      "work on this host (a step's write, its replication), per step", "work",
                      p["background"])
+    # Its old name and label, the same figures, until 0.4.0: a dashboard keeps working.
+    yield _histogram("sidecar_checkpoint_phase_seconds", "Deprecated, removed in 0.4.0: "
+                     "sidecar_checkpoint_background_seconds{work}", "phase", p["background"])
     evictions = CounterMetricFamily("sidecar_ram_tier_evictions", "Durable steps whose "
                                     "RAM-tier copy left host memory before its budget said: "
                                     "room (new work needed the arena), operator (dropped)",

@@ -63,6 +63,8 @@ def test_counters_move_during_a_feed_and_a_save_and_gauges_return_to_zero(cluste
         assert value(new, "sidecar_checkpoint_background_seconds_count", work="write") == 1
         assert value(new, "sidecar_checkpoint_bytes_total", what="replicated") == 8192
         assert value(new, "sidecar_checkpoint_background_seconds_count", work="replicate") == 1
+        # The old name, until 0.4.0 (a dashboard that reads it keeps working).
+        assert value(new, "sidecar_checkpoint_phase_seconds_count", phase="replicate") == 1
         assert value(new, "sidecar_ram_tier_bytes", kind="replica") == 8192
         assert value(new, "sidecar_ram_tier_steps", kind="own") == 1
         assert value(new, "sidecar_ram_tier_bytes", kind="own") == 8192
