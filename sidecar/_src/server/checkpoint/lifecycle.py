@@ -45,6 +45,11 @@ class State(enum.Enum):
   DROPPED = "dropped"  # gone from the RAM tier: its bytes went back
 
 
+# The states in which a step holds every part of its bytes (all its writers' last parts
+# came; not failed, not dropped): a step taken over is read from its RAM tier then.
+WHOLE = frozenset({State.STAGED, State.WRITTEN, State.COMMITTED})
+
+
 class Outcome(enum.Enum):
   """How a step's write ended (``Step.end_write``), beside its state; a drop keeps it."""
   NONE = "not ended"  # its write goes on (or never began)

@@ -32,7 +32,7 @@ from sidecar._src.ckptfmt import records, registry as formats_lib
 from sidecar._src.ckptfmt.records import MANIFEST_FILE, Manifest, ShardRecord
 from sidecar._src.core import errors
 from sidecar._src.server import metrics as metrics_lib
-from sidecar._src.server.checkpoint import copies, faults, ram_tier, step as step_lib
+from sidecar._src.server.checkpoint import copies, faults, lifecycle, ram_tier, step as step_lib
 from sidecar._src.user import outputs
 
 log = logging.getLogger(__name__)
@@ -90,8 +90,7 @@ def readable_taken_over(held: step_lib.Step | None) -> bool:
   """Whether ``held`` is a step this host took over and still holds whole, committed or not
   (its write may go on): its bytes are the ones the sidecars commit."""
   return (held is not None and held.takeover is not step_lib.Takeover.NONE
-          and held.state in (step_lib.State.STAGED, step_lib.State.WRITTEN,
-                             step_lib.State.COMMITTED))
+          and held.state in lifecycle.WHOLE)
 
 
 def taken_over(held: step_lib.Step | None, final_dir: str, host_id: int) -> Manifest:

@@ -315,7 +315,7 @@ class StepWriter:
     step, tmp_dir, final_dir, owner = stage.step, stage.tmp_dir, stage.final_dir, caller.owner
     own = slot.step
     state = own.state if own is not None else None
-    writing = state in (step_lib.State.STAGING, step_lib.State.STAGED)
+    writing = own is not None and own.view().writing
     if own is not None and writing and (
         own.tmp_dir != tmp_dir
         or (owner not in own.owners and len(own.owners) >= own.writers)):
