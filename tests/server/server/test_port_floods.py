@@ -210,6 +210,7 @@ def test_the_health_servers_private_socket_goes_and_a_killed_ones_is_swept(make_
   import os
   import socket
   import tempfile
+  import time
 
   from sidecar._src.server.ports import health_port
   stale, live = (tempfile.mkdtemp(prefix=health_port.INNER_PREFIX) for _ in range(2))
@@ -218,6 +219,8 @@ def test_the_health_servers_private_socket_goes_and_a_killed_ones_is_swept(make_
     s = listening if keep else socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.bind(os.path.join(directory, health_port.INNER_NAME))
     s.listen(1) if keep else s.close()  # a killed sidecar's socket: nobody listens
+  old = time.time() - 2 * health_port.STALE_S  # a killed sidecar's, from before
+  os.utime(os.path.join(stale, health_port.INNER_NAME), (old, old))
   try:
     server = make_server()
     assert not os.path.exists(stale) and os.path.exists(live)  # another's, live: kept

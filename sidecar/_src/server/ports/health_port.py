@@ -33,6 +33,7 @@ import logging
 import os
 import selectors
 import socket
+import stat
 import tempfile
 import threading
 import time
@@ -55,6 +56,9 @@ _R, _W = selectors.EVENT_READ, selectors.EVENT_WRITE
 
 INNER_PREFIX = "sidecar-health-"
 INNER_NAME = "health.sock"
+# A socket younger than this is never swept: another sidecar may be between its bind and its
+# listen (a connect is refused then too); a killed one's is removed at a later start.
+STALE_S = 60.0
 
 
 def inner_dir(beside: str | None = None) -> str:
@@ -80,7 +84,12 @@ def inner_dir(beside: str | None = None) -> str:
           "writable volume at /tmp (on Kubernetes, an emptyDir) or set TMPDIR") from None
   for d in glob.glob(os.path.join(os.path.dirname(made), INNER_PREFIX + "*")):
     path = os.path.join(d, INNER_NAME)
-    if d == made or os.stat(d).st_uid != os.geteuid() or not os.path.exists(path):
+    try:
+      entry, sock = os.lstat(d), os.lstat(path)
+    except OSError:  # gone since the glob (another sidecar stopped), or no socket in it yet
+      continue
+    if (d == made or not stat.S_ISDIR(entry.st_mode) or entry.st_uid != os.geteuid()
+        or time.time() - sock.st_mtime < STALE_S):  # another's, maybe bound, not listening yet
       continue
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
       if probe.connect_ex(path) == errno.ECONNREFUSED:  # nobody listens: left by a kill
