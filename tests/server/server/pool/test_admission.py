@@ -49,7 +49,14 @@ def test_a_request_past_the_ceiling_waits_its_turn_and_status_shows_it(make_serv
   got: list = []
   try:
     held = first.empty((3 << 20,), np.uint8)  # all of alice's ceiling
-    waiter = threading.Thread(target=lambda: got.append(second.empty((1 << 20,), np.uint8)))
+    def wait() -> None:
+      try:
+        got.append(second.empty((1 << 20,), np.uint8))
+      except Exception as e:  # said by the assert below (a CI run saw none arrive)
+        failed.append(e)
+
+    failed: list = []
+    waiter = threading.Thread(target=wait)
     waiter.start()
     assert eventually(lambda: _rows(server)["alice"].waiting == 1)
     assert _rows(server, BOB)["bob"].waiting == 0 and "alice" not in _rows(server, BOB)
@@ -62,7 +69,7 @@ def test_a_request_past_the_ceiling_waits_its_turn_and_status_shows_it(make_serv
       first.empty((1 << 20,), np.uint8, timeout=0.3)
     del held  # its block goes back: the waiter's turn
     waiter.join(10)
-    assert len(got) == 1 and got[0][0].nbytes == 1 << 20
+    assert not failed and len(got) == 1 and got[0][0].nbytes == 1 << 20, failed
     assert _rows(server)["alice"].waiting == 0
     del got[:]
   finally:
