@@ -196,7 +196,7 @@ def root_logging_restored():
 # during a later test. Server.stop() joins them (test_server.py checks it). The stager
 # thread is the process's, kept from save to save (``staging.STAGER``): a test must leave
 # it idle. So are shm.copy's threads (``sidecar-copy``), made at the process's first large
-# copy and kept for the next, and the save finishers (``plugs.FINISHERS``), named
+# copy and kept for the next, and the save finishers (``finishers.FINISHERS``), named
 # ``sidecar-finisher`` while idle (``sidecar-save-STEP`` while a save's finisher runs).
 _POOLS = ("sidecar-rpc", "sidecar-health", "sidecar-stager", "sidecar-copy",
           "sidecar-finisher")
