@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 
 HEALTH_CONNECTIONS = 64
 HEALTH_PER_REMOTE = 8
+# The inner gRPC server's own bound: room for the connections it has not seen closed yet.
+INNER_CONNECTIONS = 4 * HEALTH_CONNECTIONS
 HEALTH_IDLE_S = 10.0
 HEALTH_LIFE_S = 60.0
 _BUFFER = 64 << 10  # bytes buffered each way per connection
