@@ -91,8 +91,8 @@ class SaveFailures:
     if error is None or isinstance(error, errors.HostLostError) or (
         self.lost_with(handle) is not None):
       return  # a host lost is said where its loss is found, and handled there
-    if not isinstance(error, Exception):  # Ctrl-C (or an exit) met the save on its way
-      return  # out: the process stops, and says so itself; training does not "go on"
+    if isinstance(error, (KeyboardInterrupt, SystemExit)):  # met the save on its way out:
+      return  # the process stops, and says so itself; training does not "go on"
     last = self._latest()
     log.warning(
         "the save of step %d into %s failed in the background: %s: %s. Training goes on: the "

@@ -31,3 +31,13 @@ def test_ctrl_c_that_meets_a_save_is_no_failed_save_training_goes_on_after(caplo
   saying it stopped."""
   assert _failed(KeyboardInterrupt(), caplog) == []
   assert _failed(SystemExit(1), caplog) == []
+
+
+def test_a_failure_outside_exception_is_said_too(caplog):
+  """torch DCP's CheckpointException derives from BaseException, not Exception: a failed
+  DCP save is said like any other."""
+  class CheckpointException(BaseException):
+    pass
+
+  said = _failed(CheckpointException("write failed"), caplog)
+  assert len(said) == 1 and "failed in the background: CheckpointException: " in said[0]
