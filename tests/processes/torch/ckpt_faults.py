@@ -44,7 +44,10 @@ def main() -> None:
   if not dist.is_initialized():
     dist.init_process_group("gloo")
   rank, world = dist.get_rank(), dist.get_world_size()
-  say = lambda **kw: print(json.dumps({"rank": rank, **kw}), flush=True)
+  # One write a record: print() writes the text and its newline apart (unbuffered under
+  # sidecar launch), and a warning from a save's thread landed between them.
+  say = lambda **kw: (sys.stdout.write(json.dumps({"rank": rank, **kw}) + "\n"),
+                      sys.stdout.flush())
   if mode == "mix":
     restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     if restart == 0:
