@@ -87,8 +87,9 @@ def stage_from_pb(request: ckpt_pb.CheckpointStageRequest, from_arena: codec.Fro
   plan = plan_from_pb(request.plan, "plan") if request.HasField("plan") else None
   begin = (Begin(request.directory, request.step, request.begin_format)
            if request.begin_format else None)
-  return Stage(request.directory, request.step, request.tmp_dir, request.final_dir, leaves,
-               shards, request.last, max(request.writers, 1), extra, plan, begin)
+  return Stage(directory=request.directory, step=request.step, tmp_dir=request.tmp_dir,
+               final_dir=request.final_dir, leaves=leaves, shards=shards, last=request.last,
+               writers=max(request.writers, 1), extra=extra, plan=plan, begin=begin)
 
 
 def commit_to_pb(commit: Commit | AwaitCommit) -> ckpt_pb.CheckpointCommitRequest:

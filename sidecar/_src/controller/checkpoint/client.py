@@ -377,8 +377,9 @@ class CheckpointClient(CheckpointTransport):
 
   def send(self, host, value, *, timeout=None):
     w = self._worker(host)  # a Begin's or Stage's save is in flight while it is attached
-    method, request = save_wire.request_of(value, worker_session=w.session if w is not None else "",
-                                      to_arena=w.ref_of if w is not None else None)
+    method, request = save_wire.request_of(
+        value, worker_session=w.session if w is not None else "",
+        to_arena=w.ref_of if w is not None else None)
     stage = value if isinstance(value, Stage) else None
     # A Stage's blocks are kept until it answered; one that begins its step is waited for
     # at once (save() waits for its answer).
